@@ -1,0 +1,97 @@
+"""Compiling kernel modules, with an in-process and an on-disk cache.
+
+A module is keyed by what is baked into its code: kernel kind, head sizes, chunk size, options
+and target, plus the package and TVM versions. Batch, heads and length are symbolic, so one
+compiled module serves every B, H and T."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+
+_MEMORY: dict = {}
+_LOCK = threading.Lock()
+
+
+def cache_dir():
+    """$HLA_TVM_CACHE_DIR, else $XDG_CACHE_HOME/hla_tvm, else ~/.cache/hla_tvm."""
+    env = os.environ.get("HLA_TVM_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hla_tvm")
+
+
+def cache_key(spec: dict, target) -> str:
+    import tvm
+
+    from . import __version__
+
+    blob = json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
+                       "tvm": tvm.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def schedule_module(mod, target):
+    """Apply the default schedule of the target's kind to every function of `mod`."""
+    from tvm import s_tir
+
+    from .schedule import cpu
+
+    if target.kind.name != "llvm":
+        raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
+    sch = s_tir.Schedule(mod)
+    for gv in mod.get_global_vars():
+        cpu.apply(sch, gv.name_hint)
+    return sch.mod
+
+
+def load_or_build(spec: dict, make_funcs, target):
+    """The compiled runtime module for `spec`: from memory, else from disk, else built.
+
+    make_funcs() returns {name: PrimFunc}. The built library is written to the cache folder
+    atomically; a cached file that fails to load is rebuilt with a warning."""
+    import tvm
+
+    key = cache_key(spec, target)
+    with _LOCK:
+        if key in _MEMORY:
+            return _MEMORY[key]
+        path = os.path.join(cache_dir(), f"{spec['kind']}-{key}.so")
+        mod = None
+        if os.path.exists(path):
+            try:
+                mod = tvm.runtime.load_module(path)
+            except Exception as err:  # a truncated or foreign file: rebuild it
+                warnings.warn(f"hla_tvm: ignoring unreadable cached kernel {path}: {err}")
+        if mod is None:
+            funcs = make_funcs()
+            irmod = tvm.IRModule({name: f.with_attr("global_symbol", name)
+                                  for name, f in funcs.items()})
+            exe = tvm.compile(schedule_module(irmod, target), target=target)
+            mod = _save(exe, path)
+        _MEMORY[key] = mod
+        return mod
+
+
+def _save(exe, path):
+    import tvm
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        exe.export_library(tmp)
+        os.replace(tmp, path)
+        return tvm.runtime.load_module(path)
+    except OSError as err:  # read-only home, full disk: run from memory
+        warnings.warn(f"hla_tvm: cannot write kernel cache {path}: {err}")
+        return exe
+
+
+def clear_memory_cache():
+    with _LOCK:
+        _MEMORY.clear()

@@ -1,0 +1,4 @@
+"""TensorIR definitions, one module per operator family."""
+from . import hla2
+
+__all__ = ["hla2"]

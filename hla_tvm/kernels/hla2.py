@@ -1,0 +1,567 @@
+"""Second-order HLA as TensorIR (float32 state and accumulation).
+
+Each builder returns an s_tir PrimFunc; batch B, heads H, length T and the chunk count NC are
+symbolic, head sizes and the chunk size are fixed at build time. The functions mirror
+`hla_tvm.reference.hla2` and are composed by `hla_tvm.ops`:
+
+    decode             one token, state (S, C, m, G, h) updated in place        == reference.step
+    chunk_summary      per chunk c:  dS = K^T K, dC = Q^T V, dm = Q^T 1,
+                       dX = K^T (((K Q^T) * U) V), dr = K^T (((K Q^T) * U) 1)    (U: j <= s)
+    chunk_carry        sequential over chunks, in place on the state: records the readout
+                       matrices of each chunk, then X += S dC + dX, r += S dm + dr,
+                       S += dS, C += dC, m += dm;  X = S C - G, r = S m - h
+    chunk_output       per chunk, from the recorded readout (see `chunk_output`)
+
+X = S C - G obeys X_t = X_{t-1} + S_t q_t v_t^T, so the carry needs one d x d x dv product a
+chunk; G and h are recovered at the end as S C - X and S m - r.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+F32 = "float32"
+# attribute of functions whose loops already carry their CPU schedule (in-place state updates)
+PRESCHEDULED = "hla_tvm.prescheduled"
+
+
+def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0):
+    """o = q^T((S'+lI) C' - G') [/ (q^T((S'+lI) m' - h') + eps)], with the state updated in place:
+    G += k (k^T C), h += k (k^T m), S += k k^T, C += q v^T, m += q   (C, m read before the update).
+    Shapes: q, k [B, H, 1, dk], v [B, H, 1, dv], o [B, H, 1, dv].
+
+    In-place updates do not satisfy s_tir's dataflow checks, so the CPU schedule (parallel over
+    batch*heads, vectorized rows) is written into the loops here."""
+    msk = 1.0 if masked else 0.0
+
+    @T.prim_func(s_tir=True)
+    def hla2_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, S_h: T.handle, C_h: T.handle,
+                    m_h: T.handle, G_h: T.handle, h_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        q = T.match_buffer(q_h, (B, H, 1, dk), F32)
+        k = T.match_buffer(k_h, (B, H, 1, dk), F32)
+        v = T.match_buffer(v_h, (B, H, 1, dv), F32)
+        S = T.match_buffer(S_h, (B, H, dk, dk), F32)
+        C = T.match_buffer(C_h, (B, H, dk, dv), F32)
+        m = T.match_buffer(m_h, (B, H, dk), F32)
+        G = T.match_buffer(G_h, (B, H, dk, dv), F32)
+        h = T.match_buffer(h_h, (B, H, dk), F32)
+        o = T.match_buffer(o_h, (B, H, 1, dv), F32)
+        for bh in T.parallel(B * H):
+            kC = T.alloc_buffer((dv,), F32)
+            u = T.alloc_buffer((dk,), F32)
+            num = T.alloc_buffer((dv,), F32)
+            km = T.alloc_buffer((1,), F32)
+            den = T.alloc_buffer((1,), F32)
+            with T.sblock("scalars0"):
+                km[0] = T.float32(0)
+                den[0] = T.float32(eps)
+            for j in T.vectorized(dv):
+                with T.sblock("zero_dv"):
+                    vj = T.axis.spatial(dv, j)
+                    kC[vj] = T.float32(0)
+                    num[vj] = T.float32(0)
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("kC"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("RS", [i, j])
+                        kC[vj] = kC[vj] + k[vb, vh, 0, vi] * C[vb, vh, vi, vj]
+            for i in T.serial(dk):
+                with T.sblock("km"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.reduce(dk, i)
+                    km[0] = km[0] + k[vb, vh, 0, vi] * m[vb, vh, vi]
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("upd_CG"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + k[vb, vh, 0, vi] * kC[vj]
+                        C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + q[vb, vh, 0, vi] * v[vb, vh, 0, vj]
+                for j in T.vectorized(dk):
+                    with T.sblock("upd_S"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + k[vb, vh, 0, vi] * k[vb, vh, 0, vj]
+            for i in T.vectorized(dk):
+                with T.sblock("upd_mh"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    h[vb, vh, vi] = h[vb, vh, vi] + k[vb, vh, 0, vi] * km[0]
+                    m[vb, vh, vi] = m[vb, vh, vi] + q[vb, vh, 0, vi]
+                    u[vi] = T.float32(ridge) * q[vb, vh, 0, vi]
+            for l in T.serial(dk):
+                for i in T.vectorized(dk):
+                    with T.sblock("u"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vl, vi = T.axis.remap("RS", [l, i])
+                        u[vi] = u[vi] + S[vb, vh, vl, vi] * q[vb, vh, 0, vl]
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("num"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("RS", [i, j])
+                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
+                            - T.float32(msk) * q[vb, vh, 0, vi] * G[vb, vh, vi, vj]
+            if normalize:
+                for i in T.serial(dk):
+                    with T.sblock("den"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi = T.axis.reduce(dk, i)
+                        den[0] = den[0] + u[vi] * m[vb, vh, vi] - T.float32(msk) * q[vb, vh, 0, vi] * h[vb, vh, vi]
+            for j in T.vectorized(dv):
+                with T.sblock("o"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    if normalize:
+                        o[vb, vh, 0, vj] = num[vj] / den[0]
+                    else:
+                        o[vb, vh, 0, vj] = num[vj]
+
+    return hla2_decode.with_attr(PRESCHEDULED, True)
+
+
+def _load_chunk(src, vb, vh, vc, vt, vi, n, L):
+    """src[b, h, c*n + t, i], zero past the end of the sequence (the last chunk may be short)."""
+    return T.if_then_else(vc * n + vt < L, src[vb, vh, vc * n + vt, vi], T.float32(0))
+
+
+def chunk_summary(dk: int, dv: int, n: int):
+    """Per chunk c (rows c*n .. c*n+n-1, zero past T):
+    dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
+    Shapes: q, k [B, H, T, dk], v [B, H, T, dv]; dS [B, H, NC, dk, dk], dC, dX [B, H, NC, dk, dv],
+    dm, dr [B, H, NC, dk]."""
+
+    @T.prim_func(s_tir=True)
+    def hla2_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
+                           dC_h: T.handle, dm_h: T.handle, dX_h: T.handle, dr_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), F32)
+        k = T.match_buffer(k_h, (B, H, L, dk), F32)
+        v = T.match_buffer(v_h, (B, H, L, dv), F32)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), F32)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), F32)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), F32)
+        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), F32)
+        dr = T.match_buffer(dr_h, (B, H, NC, dk), F32)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
+        A0 = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        A = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        AV = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
+        A1 = T.sblock_alloc_buffer((B, H, NC, n), F32)
+        for b, hh, c in T.grid(B, H, NC):
+            for t, i in T.grid(n, dk):
+                with T.sblock("Qc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Qc[vb, vh, vc, vt, vi] = _load_chunk(q, vb, vh, vc, vt, vi, n, L)
+            for i, t in T.grid(dk, n):
+                with T.sblock("QT"):
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
+                    QT[vb, vh, vc, vi, vt] = Qc[vb, vh, vc, vt, vi]
+            for t, i in T.grid(n, dk):
+                with T.sblock("Kc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Kc[vb, vh, vc, vt, vi] = _load_chunk(k, vb, vh, vc, vt, vi, n, L)
+            for t, i in T.grid(n, dv):
+                with T.sblock("Vc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Vc[vb, vh, vc, vt, vi] = _load_chunk(v, vb, vh, vc, vt, vi, n, L)
+            for i, j, t in T.grid(dk, dk, n):
+                with T.sblock("dS"):
+                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
+                    with T.init():
+                        dS[vb, vh, vc, vi, vj] = T.float32(0)
+                    dS[vb, vh, vc, vi, vj] = dS[vb, vh, vc, vi, vj] \
+                        + Kc[vb, vh, vc, vt, vi] * Kc[vb, vh, vc, vt, vj]
+            for i, j, t in T.grid(dk, dv, n):
+                with T.sblock("dC"):
+                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
+                    with T.init():
+                        dC[vb, vh, vc, vi, vj] = T.float32(0)
+                    dC[vb, vh, vc, vi, vj] = dC[vb, vh, vc, vi, vj] \
+                        + QT[vb, vh, vc, vi, vt] * Vc[vb, vh, vc, vt, vj]
+            for i, t in T.grid(dk, n):
+                with T.sblock("dm"):
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
+                    with T.init():
+                        dm[vb, vh, vc, vi] = T.float32(0)
+                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + Qc[vb, vh, vc, vt, vi]
+            for j, s, i in T.grid(n, n, dk):
+                with T.sblock("A0"):
+                    vb, vh, vc, vj, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, j, s, i])
+                    with T.init():
+                        A0[vb, vh, vc, vj, vs] = T.float32(0)
+                    A0[vb, vh, vc, vj, vs] = A0[vb, vh, vc, vj, vs] \
+                        + Kc[vb, vh, vc, vj, vi] * QT[vb, vh, vc, vi, vs]
+            for j, s in T.grid(n, n):
+                with T.sblock("A"):
+                    vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
+                    A[vb, vh, vc, vj, vs] = T.Select(vj <= vs, A0[vb, vh, vc, vj, vs], T.float32(0))
+            for j, x, s in T.grid(n, dv, n):
+                with T.sblock("AV"):
+                    vb, vh, vc, vj, vx, vs = T.axis.remap("SSSSSR", [b, hh, c, j, x, s])
+                    with T.init():
+                        AV[vb, vh, vc, vj, vx] = T.float32(0)
+                    AV[vb, vh, vc, vj, vx] = AV[vb, vh, vc, vj, vx] \
+                        + A[vb, vh, vc, vj, vs] * Vc[vb, vh, vc, vs, vx]
+            for j, s in T.grid(n, n):
+                with T.sblock("A1"):
+                    vb, vh, vc, vj, vs = T.axis.remap("SSSSR", [b, hh, c, j, s])
+                    with T.init():
+                        A1[vb, vh, vc, vj] = T.float32(0)
+                    A1[vb, vh, vc, vj] = A1[vb, vh, vc, vj] + A[vb, vh, vc, vj, vs]
+            for i, x, j in T.grid(dk, dv, n):
+                with T.sblock("dX"):
+                    vb, vh, vc, vi, vx, vj = T.axis.remap("SSSSSR", [b, hh, c, i, x, j])
+                    with T.init():
+                        dX[vb, vh, vc, vi, vx] = T.float32(0)
+                    dX[vb, vh, vc, vi, vx] = dX[vb, vh, vc, vi, vx] \
+                        + Kc[vb, vh, vc, vj, vi] * AV[vb, vh, vc, vj, vx]
+            for i, j in T.grid(dk, n):
+                with T.sblock("dr"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
+                    with T.init():
+                        dr[vb, vh, vc, vi] = T.float32(0)
+                    dr[vb, vh, vc, vi] = dr[vb, vh, vc, vi] + Kc[vb, vh, vc, vj, vi] * A1[vb, vh, vc, vj]
+
+    return hla2_chunk_summary
+
+
+def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
+    """Sequential scan over chunks, state (S, C, m, G, h) [B, H, ...] updated in place.
+
+    Before chunk c it records the chunk's readout: Sc[c] = S and
+        masked:   Xc[c] = (S + lI) C - G,  rc[c] = (S + lI) m - h
+        unmasked: Xc[c] = C,               rc[c] = m
+    then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h.
+    The schedule (parallel over batch*heads, vectorized rows) is written into the loops."""
+    lam = float(ridge)
+    msk = 1.0 if masked else 0.0
+
+    @T.prim_func(s_tir=True)
+    def hla2_chunk_carry(dS_h: T.handle, dC_h: T.handle, dm_h: T.handle, dX_h: T.handle,
+                         dr_h: T.handle, S_h: T.handle, C_h: T.handle, m_h: T.handle,
+                         G_h: T.handle, h_h: T.handle, Sc_h: T.handle, Xc_h: T.handle,
+                         rc_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        NC = T.int64()
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), F32)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), F32)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), F32)
+        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), F32)
+        dr = T.match_buffer(dr_h, (B, H, NC, dk), F32)
+        S = T.match_buffer(S_h, (B, H, dk, dk), F32)
+        C = T.match_buffer(C_h, (B, H, dk, dv), F32)
+        m = T.match_buffer(m_h, (B, H, dk), F32)
+        G = T.match_buffer(G_h, (B, H, dk, dv), F32)
+        h = T.match_buffer(h_h, (B, H, dk), F32)
+        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), F32)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), F32)
+        rc = T.match_buffer(rc_h, (B, H, NC, dk), F32)
+        for bh in T.parallel(B * H):
+            X = T.alloc_buffer((dk, dv), F32)
+            r = T.alloc_buffer((dk,), F32)
+            # X = S C - G, r = S m - h
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("X0_init"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        X[vi, vj] = T.float32(0) - G[vb, vh, vi, vj]
+                with T.sblock("r0_init"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    r[vi] = T.float32(0) - h[vb, vh, vi]
+                for l in T.serial(dk):
+                    for j in T.vectorized(dv):
+                        with T.sblock("X0"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vi, vl, vj = T.axis.remap("SRS", [i, l, j])
+                            X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+                    with T.sblock("r0"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vl = T.axis.remap("SR", [i, l])
+                        r[vi] = r[vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+            for c in T.serial(NC):
+                # record the chunk's readout
+                for i in T.serial(dk):
+                    for j in T.vectorized(dk):
+                        with T.sblock("Sc"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                            Sc[vb, vh, vc, vi, vj] = S[vb, vh, vi, vj]
+                    for j in T.vectorized(dv):
+                        with T.sblock("Xc"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                            Xc[vb, vh, vc, vi, vj] = T.float32(msk) * X[vi, vj] \
+                                + T.float32(lam * msk + 1.0 - msk) * C[vb, vh, vi, vj]
+                    with T.sblock("rc"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vc, vi = T.axis.remap("SS", [c, i])
+                        rc[vb, vh, vc, vi] = T.float32(msk) * r[vi] \
+                            + T.float32(lam * msk + 1.0 - msk) * m[vb, vh, vi]
+                # X += S dC + dX, r += S dm + dr
+                for i in T.serial(dk):
+                    for j in T.vectorized(dv):
+                        with T.sblock("X_dX"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                            X[vi, vj] = X[vi, vj] + dX[vb, vh, vc, vi, vj]
+                    with T.sblock("r_dr"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vc, vi = T.axis.remap("SS", [c, i])
+                        r[vi] = r[vi] + dr[vb, vh, vc, vi]
+                    for l in T.serial(dk):
+                        for j in T.vectorized(dv):
+                            with T.sblock("X"):
+                                vb = T.axis.spatial(B, bh // H)
+                                vh = T.axis.spatial(H, bh % H)
+                                vc, vi, vl, vj = T.axis.remap("SSRS", [c, i, l, j])
+                                X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * dC[vb, vh, vc, vl, vj]
+                        with T.sblock("r"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vl = T.axis.remap("SSR", [c, i, l])
+                            r[vi] = r[vi] + S[vb, vh, vi, vl] * dm[vb, vh, vc, vl]
+                # S += dS, C += dC, m += dm
+                for i in T.serial(dk):
+                    for j in T.vectorized(dk):
+                        with T.sblock("S"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                            S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + dS[vb, vh, vc, vi, vj]
+                    for j in T.vectorized(dv):
+                        with T.sblock("C"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                            C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + dC[vb, vh, vc, vi, vj]
+                    with T.sblock("m"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vc, vi = T.axis.remap("SS", [c, i])
+                        m[vb, vh, vi] = m[vb, vh, vi] + dm[vb, vh, vc, vi]
+            # G = S C - X, h = S m - r
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("G_init"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        G[vb, vh, vi, vj] = T.float32(0) - X[vi, vj]
+                with T.sblock("h_init"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    h[vb, vh, vi] = T.float32(0) - r[vi]
+                for l in T.serial(dk):
+                    for j in T.vectorized(dv):
+                        with T.sblock("G"):
+                            vb = T.axis.spatial(B, bh // H)
+                            vh = T.axis.spatial(H, bh % H)
+                            vi, vl, vj = T.axis.remap("SRS", [i, l, j])
+                            G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+                    with T.sblock("h"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vl = T.axis.remap("SR", [i, l])
+                        h[vb, vh, vi] = h[vb, vh, vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+
+    return hla2_chunk_carry.with_attr(PRESCHEDULED, True)
+
+
+def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0):
+    """Outputs of every chunk from its recorded readout (Sc, Xc, rc of `chunk_carry`):
+        masked:   Z = Q (Sc + lI),          M = ((Z Q^T) + (W W^T)) * L,  num = Q Xc + M V
+        unmasked: Z = Q (Sc + lI) + W K,    M = (Z Q^T) * L,             num = Z Xc + M V
+    W = L * (Q K^T) chunk-local; o = num, or num / (Q rc + M 1 + eps) (Z rc when unmasked).
+    Shapes: q, k [B, H, T, dk], v [B, H, T, dv], Sc [B, H, NC, dk, dk], Xc [B, H, NC, dk, dv],
+    rc [B, H, NC, dk], o [B, H, T, dv]."""
+    lam = float(ridge)
+
+    @T.prim_func(s_tir=True)
+    def hla2_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, Sc_h: T.handle,
+                          Xc_h: T.handle, rc_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), F32)
+        k = T.match_buffer(k_h, (B, H, L, dk), F32)
+        v = T.match_buffer(v_h, (B, H, L, dv), F32)
+        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), F32)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), F32)
+        rc = T.match_buffer(rc_h, (B, H, NC, dk), F32)
+        o = T.match_buffer(o_h, (B, H, L, dv), F32)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
+        W0 = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        W = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        WT = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        Z = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        ZW = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
+        ZQ = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        ZQW = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        M = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
+        numA = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
+        num = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
+        denA = T.sblock_alloc_buffer((B, H, NC, n), F32)
+        den = T.sblock_alloc_buffer((B, H, NC, n), F32)
+        for b, hh, c in T.grid(B, H, NC):
+            for t, i in T.grid(n, dk):
+                with T.sblock("Qc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Qc[vb, vh, vc, vt, vi] = _load_chunk(q, vb, vh, vc, vt, vi, n, L)
+            for i, t in T.grid(dk, n):
+                with T.sblock("QT"):
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
+                    QT[vb, vh, vc, vi, vt] = Qc[vb, vh, vc, vt, vi]
+            for t, i in T.grid(n, dk):
+                with T.sblock("Kc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Kc[vb, vh, vc, vt, vi] = _load_chunk(k, vb, vh, vc, vt, vi, n, L)
+            for i, t in T.grid(dk, n):
+                with T.sblock("KT"):
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
+                    KT[vb, vh, vc, vi, vt] = Kc[vb, vh, vc, vt, vi]
+            for t, i in T.grid(n, dv):
+                with T.sblock("Vc"):
+                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+                    Vc[vb, vh, vc, vt, vi] = _load_chunk(v, vb, vh, vc, vt, vi, n, L)
+            for t, s, i in T.grid(n, n, dk):
+                with T.sblock("W0"):
+                    vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
+                    with T.init():
+                        W0[vb, vh, vc, vt, vs] = T.float32(0)
+                    W0[vb, vh, vc, vt, vs] = W0[vb, vh, vc, vt, vs] \
+                        + Qc[vb, vh, vc, vt, vi] * KT[vb, vh, vc, vi, vs]
+            for t, s in T.grid(n, n):
+                with T.sblock("W"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], T.float32(0))
+            for t, i, l in T.grid(n, dk, dk):
+                with T.sblock("Z"):
+                    vb, vh, vc, vt, vi, vl = T.axis.remap("SSSSSR", [b, hh, c, t, i, l])
+                    with T.init():
+                        Z[vb, vh, vc, vt, vi] = T.float32(lam) * Qc[vb, vh, vc, vt, vi]
+                    Z[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi] \
+                        + Qc[vb, vh, vc, vt, vl] * Sc[vb, vh, vc, vl, vi]
+            if not masked:
+                for t, i, j in T.grid(n, dk, n):
+                    with T.sblock("ZW"):
+                        vb, vh, vc, vt, vi, vj = T.axis.remap("SSSSSR", [b, hh, c, t, i, j])
+                        with T.init():
+                            ZW[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi]
+                        ZW[vb, vh, vc, vt, vi] = ZW[vb, vh, vc, vt, vi] \
+                            + W[vb, vh, vc, vt, vj] * Kc[vb, vh, vc, vj, vi]
+                for t, s, i in T.grid(n, n, dk):
+                    with T.sblock("ZQ"):
+                        vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
+                        with T.init():
+                            ZQ[vb, vh, vc, vt, vs] = T.float32(0)
+                        ZQ[vb, vh, vc, vt, vs] = ZQ[vb, vh, vc, vt, vs] \
+                            + ZW[vb, vh, vc, vt, vi] * QT[vb, vh, vc, vi, vs]
+                for t, s in T.grid(n, n):
+                    with T.sblock("M"):
+                        vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQ[vb, vh, vc, vt, vs], T.float32(0))
+            else:
+                for t, s, i in T.grid(n, n, dk):
+                    with T.sblock("ZQ"):
+                        vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
+                        with T.init():
+                            ZQ[vb, vh, vc, vt, vs] = T.float32(0)
+                        ZQ[vb, vh, vc, vt, vs] = ZQ[vb, vh, vc, vt, vs] \
+                            + Z[vb, vh, vc, vt, vi] * QT[vb, vh, vc, vi, vs]
+                for j, s in T.grid(n, n):
+                    with T.sblock("WT"):
+                        vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
+                        WT[vb, vh, vc, vj, vs] = W[vb, vh, vc, vs, vj]
+                for t, s, j in T.grid(n, n, n):
+                    with T.sblock("WW"):
+                        vb, vh, vc, vt, vs, vj = T.axis.remap("SSSSSR", [b, hh, c, t, s, j])
+                        with T.init():
+                            ZQW[vb, vh, vc, vt, vs] = ZQ[vb, vh, vc, vt, vs]
+                        ZQW[vb, vh, vc, vt, vs] = ZQW[vb, vh, vc, vt, vs] \
+                            + W[vb, vh, vc, vt, vj] * WT[vb, vh, vc, vj, vs]
+                for t, s in T.grid(n, n):
+                    with T.sblock("M"):
+                        vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQW[vb, vh, vc, vt, vs], T.float32(0))
+            for t, x, i in T.grid(n, dv, dk):
+                with T.sblock("numA"):
+                    vb, vh, vc, vt, vx, vi = T.axis.remap("SSSSSR", [b, hh, c, t, x, i])
+                    with T.init():
+                        numA[vb, vh, vc, vt, vx] = T.float32(0)
+                    if masked:
+                        numA[vb, vh, vc, vt, vx] = numA[vb, vh, vc, vt, vx] \
+                            + Qc[vb, vh, vc, vt, vi] * Xc[vb, vh, vc, vi, vx]
+                    else:
+                        numA[vb, vh, vc, vt, vx] = numA[vb, vh, vc, vt, vx] \
+                            + ZW[vb, vh, vc, vt, vi] * Xc[vb, vh, vc, vi, vx]
+            for t, x, s in T.grid(n, dv, n):
+                with T.sblock("num"):
+                    vb, vh, vc, vt, vx, vs = T.axis.remap("SSSSSR", [b, hh, c, t, x, s])
+                    with T.init():
+                        num[vb, vh, vc, vt, vx] = numA[vb, vh, vc, vt, vx]
+                    num[vb, vh, vc, vt, vx] = num[vb, vh, vc, vt, vx] \
+                        + M[vb, vh, vc, vt, vs] * Vc[vb, vh, vc, vs, vx]
+            if normalize:
+                for t, i in T.grid(n, dk):
+                    with T.sblock("denA"):
+                        vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
+                        with T.init():
+                            denA[vb, vh, vc, vt] = T.float32(eps)
+                        if masked:
+                            denA[vb, vh, vc, vt] = denA[vb, vh, vc, vt] \
+                                + QT[vb, vh, vc, vi, vt] * rc[vb, vh, vc, vi]
+                        else:
+                            denA[vb, vh, vc, vt] = denA[vb, vh, vc, vt] \
+                                + ZW[vb, vh, vc, vt, vi] * rc[vb, vh, vc, vi]
+                for t, s in T.grid(n, n):
+                    with T.sblock("den"):
+                        vb, vh, vc, vt, vs = T.axis.remap("SSSSR", [b, hh, c, t, s])
+                        with T.init():
+                            den[vb, vh, vc, vt] = denA[vb, vh, vc, vt]
+                        den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + M[vb, vh, vc, vt, vs]
+            for t, x in T.grid(n, dv):
+                with T.sblock("o"):
+                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
+                    T.where(c * n + t < L)
+                    if normalize:
+                        o[vb, vh, vc * n + vt, vx] = num[vb, vh, vc, vt, vx] / den[vb, vh, vc, vt]
+                    else:
+                        o[vb, vh, vc * n + vt, vx] = num[vb, vh, vc, vt, vx]
+
+    return hla2_chunk_output

@@ -1,0 +1,1 @@
+"""Default schedules per target kind (tuned-record lookup comes with the tuning issue)."""

@@ -1,0 +1,102 @@
+"""Argument checks shared by every entry point: clear ValueError/TypeError before any kernel runs."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .reference.hla2 import STATE_NAMES, state_shapes
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def qkv(q, k, v):
+    """Check q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]; returns (B, H, Hkv, T, Dk, Dv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOATS:
+            raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, "
+                            f"float64), got {x.dtype}")
+        if x.dim() != 4:
+            want = "[B, H, T, Dv]" if name == "v" else "[B, H, T, Dk]"
+            raise ValueError(f"{name} must have shape {want} (4 dims), got {tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, T, dk = q.shape
+    if T == 0 or dk == 0 or v.shape[-1] == 0:
+        raise ValueError(f"q and v need T >= 1 and head sizes >= 1, got q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != dk:
+        raise ValueError(f"k must have shape [B, Hkv, T, Dk] = [{B}, Hkv, {T}, {dk}] to match q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"k has {Hkv} heads, which must divide q's {H} heads")
+    if tuple(v.shape[:3]) != (B, Hkv, T):
+        raise ValueError(f"v must have shape [B, Hkv, T, Dv] = [{B}, {Hkv}, {T}, Dv] to match k "
+                         f"{tuple(k.shape)}, got {tuple(v.shape)}")
+    return B, H, Hkv, T, dk, v.shape[-1]
+
+
+def real(name, value, *, low=None, low_open=False, high=None):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if value != value:
+        raise ValueError(f"{name} must not be NaN")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def integer(name, value, *, choices=None, low=None):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def decay(value, heads):
+    """None, a float in (0, 1], or a tensor of one value per head ([H]) in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] != heads:
+            raise ValueError(f"decay as a tensor must have shape [H] = [{heads}], "
+                             f"got {tuple(value.shape)}")
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"decay must be a floating tensor, got {value.dtype}")
+        if not bool(((value > 0) & (value <= 1)).all()):
+            raise ValueError("decay values must lie in (0, 1]")
+        return value
+    return real("decay", value, low=0.0, low_open=True, high=1.0)
+
+
+def state(st, B, H, dk, dv):
+    """A state dict with exactly the keys S, C, m, G, h and the shapes of `state_shapes`."""
+    if not isinstance(st, dict):
+        raise TypeError(f"state must be a dict of tensors {list(STATE_NAMES)}, "
+                        f"got {type(st).__name__}")
+    shapes = state_shapes(B, H, dk, dv)
+    if set(st) != set(STATE_NAMES):
+        raise ValueError(f"state must have exactly the keys {list(STATE_NAMES)}, "
+                         f"got {sorted(st)}")
+    for name, want in shapes.items():
+        x = st[name]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"state[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"state[{name!r}] must be floating, got {x.dtype}")
+        if tuple(x.shape) != want:
+            raise ValueError(f"state[{name!r}] must have shape {list(want)} for q/k/v of "
+                             f"B={B}, H={H}, Dk={dk}, Dv={dv}, got {tuple(x.shape)}")
+    return st
