@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_cache(tmp_path_factory):
+    """Compiled kernels go to a fresh folder for the test session, not the user's cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HLA_TVM_CACHE_DIR", str(tmp_path_factory.mktemp("hla_tvm_cache")))
+    yield
+    mp.undo()
+
+
+def rel_err(got, want):
+    """max |got - want| / max |want|, in float64."""
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def make_qkv(B, H, T, dk, dv, *, seed=0, positive=False, dtype=torch.float64):
+    """Random q, k, v scaled so outputs stay O(1); positive features for normalized variants
+    (their denominators q^T(S m - h) are then sums of positive terms, far from zero)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, d, generator=g, dtype=torch.float64) for d in (dk, dk, dv))
+    if positive:
+        q, k = q.abs(), k.abs()
+    q, k = q / dk ** 0.5, k / dk ** 0.5
+    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -1,0 +1,100 @@
+"""Bad input raises a clear ValueError/TypeError/NotImplementedError naming the argument,
+before any kernel runs."""
+import pytest
+import torch
+
+from hla_tvm import hla
+from hla_tvm.reference import hla2 as ref
+
+
+def qkv(B=1, H=2, T=5, dk=4, dv=3, dtype=torch.float32):
+    return (torch.randn(B, H, T, dk, dtype=dtype), torch.randn(B, H, T, dk, dtype=dtype),
+            torch.randn(B, H, T, dv, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", ["tvm", "torch"])
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda q, k, v: (q[0], k, v), ValueError, r"q must have shape \[B, H, T, Dk\]"),
+    (lambda q, k, v: (q, k[..., None], v), ValueError, r"k must have shape"),
+    (lambda q, k, v: (q, k, v[0]), ValueError, r"v must have shape \[B, H, T, Dv\]"),
+    (lambda q, k, v: (q, k[:, :, :4], v), ValueError, r"k must have shape \[B, Hkv, T, Dk\]"),
+    (lambda q, k, v: (q, k[..., :3], v), ValueError, r"k must have shape"),
+    (lambda q, k, v: (q, k, v[:, :, :4]), ValueError, r"v must have shape"),
+    (lambda q, k, v: (q, k, torch.cat([v, v])), ValueError, r"v must have shape"),
+    (lambda q, k, v: (q[:, :, :0], k[:, :, :0], v[:, :, :0]), ValueError, r"T >= 1"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, r"q must be a torch.Tensor"),
+    (lambda q, k, v: (q, k.int(), v), TypeError, r"k must be a floating tensor"),
+    (lambda q, k, v: (q, k, v.double()), TypeError, r"share a dtype"),
+])
+def test_bad_tensors(backend, bad, exc, match):
+    args = bad(*qkv())
+    with pytest.raises(exc, match=match):
+        hla(*args, backend=backend)
+
+
+def test_heads_must_divide():
+    q, k, v = qkv(H=3)
+    with pytest.raises(ValueError, match="k has 2 heads, which must divide q's 3 heads"):
+        hla(q, k[:, :2], v[:, :2])
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(order=5), ValueError, "order must be one of"),
+    (dict(order=2.0), TypeError, "order must be an int"),
+    (dict(eps=-1.0), ValueError, "eps must be >= 0"),
+    (dict(eps="x"), TypeError, "eps must be a real number"),
+    (dict(ridge=-0.1), ValueError, "ridge must be >= 0"),
+    (dict(decay=0.0), ValueError, "decay must be > 0"),
+    (dict(decay=1.5), ValueError, "decay must be <= 1"),
+    (dict(decay=torch.ones(3)), ValueError, r"decay as a tensor must have shape \[H\] = \[2\]"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(masked=1), TypeError, "masked must be a bool"),
+    (dict(target="llvm -mcpu=znver4"), ValueError, "target="),
+    (dict(target=3), TypeError, "target must be"),
+])
+def test_bad_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        hla(*qkv(), **kwargs)
+
+
+def test_bad_state():
+    q, k, v = qkv()
+    good = ref.zero_state(1, 2, 4, 3, torch.float32)
+    with pytest.raises(TypeError, match="state must be a dict"):
+        hla(q, k, v, state=[good])
+    with pytest.raises(ValueError, match="exactly the keys"):
+        hla(q, k, v, state={n: x for n, x in good.items() if n != "G"})
+    bad = dict(good, S=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"state\['S'\] must have shape \[1, 2, 4, 4\]"):
+        hla(q, k, v, state=bad)
+    bad = dict(good, C=torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"state\['C'\] must have shape \[1, 2, 4, 3\]"):
+        hla(q[:, :, :1], k[:, :, :1], v[:, :, :1], state=bad)
+    with pytest.raises(TypeError, match=r"state\['m'\] must be floating"):
+        hla(q, k, v, state=dict(good, m=torch.zeros(1, 2, 4, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("kwargs, dtype, match", [
+    (dict(order=3), torch.float32, "order=3"),
+    (dict(asymmetric=True), torch.float32, "asymmetric=True"),
+    (dict(decay=0.9), torch.float32, "decay"),
+    ({}, torch.float16, "dtype torch.float16"),
+    ({}, torch.bfloat16, "dtype torch.bfloat16"),
+    ({}, torch.float64, "dtype torch.float64"),
+])
+def test_not_yet_implemented_options_name_the_option(kwargs, dtype, match):
+    with pytest.raises(NotImplementedError, match=match):
+        hla(*qkv(dtype=dtype), **kwargs)
+
+
+def test_grouped_heads_not_yet():
+    q, k, v = qkv(H=4)
+    with pytest.raises(NotImplementedError, match="grouped key/value heads"):
+        hla(q, k[:, :2], v[:, :2])
+
+
+def test_torch_backend_runs_decay_and_half():
+    q, k, v = qkv(dtype=torch.float16)
+    out = hla(q, k, v, backend="torch", decay=0.9)
+    assert out.dtype == torch.float16 and out.shape == (1, 2, 5, 3)
