@@ -1,9 +1,11 @@
 """Resolving the `target=` argument to a tvm.target.Target."""
 from __future__ import annotations
 
+import functools
 import os
 
 
+@functools.lru_cache(maxsize=None)
 def host_target():
     """The machine we run on: LLVM for the host CPU model with all its cores."""
     import tvm
