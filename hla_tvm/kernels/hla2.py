@@ -136,6 +136,24 @@ def _load_chunk(src, vb, vh, vc, vt, vi, n, L):
     return T.if_then_else(vc * n + vt < L, src[vb, vh, vc * n + vt, vi], T.float32(0))
 
 
+@T.macro
+def _stage(dst, src, b, hh, c, n, width, L, name):
+    """dst[b, h, c, t, i] = src[b, h, c*n + t, i] for the chunk's rows (zero past T)."""
+    for t, i in T.grid(n, width):
+        with T.sblock(name):
+            vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
+            dst[vb, vh, vc, vt, vi] = _load_chunk(src, vb, vh, vc, vt, vi, n, L)
+
+
+@T.macro
+def _transpose(dst, src, b, hh, c, rows, cols, name):
+    """dst[b, h, c, i, t] = src[b, h, c, t, i] (rows x cols -> cols x rows)."""
+    for i, t in T.grid(cols, rows):
+        with T.sblock(name):
+            vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
+            dst[vb, vh, vc, vi, vt] = src[vb, vh, vc, vt, vi]
+
+
 def chunk_summary(dk: int, dv: int, n: int):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T):
     dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
@@ -166,22 +184,10 @@ def chunk_summary(dk: int, dv: int, n: int):
         AV = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
         A1 = T.sblock_alloc_buffer((B, H, NC, n), F32)
         for b, hh, c in T.grid(B, H, NC):
-            for t, i in T.grid(n, dk):
-                with T.sblock("Qc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Qc[vb, vh, vc, vt, vi] = _load_chunk(q, vb, vh, vc, vt, vi, n, L)
-            for i, t in T.grid(dk, n):
-                with T.sblock("QT"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
-                    QT[vb, vh, vc, vi, vt] = Qc[vb, vh, vc, vt, vi]
-            for t, i in T.grid(n, dk):
-                with T.sblock("Kc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Kc[vb, vh, vc, vt, vi] = _load_chunk(k, vb, vh, vc, vt, vi, n, L)
-            for t, i in T.grid(n, dv):
-                with T.sblock("Vc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Vc[vb, vh, vc, vt, vi] = _load_chunk(v, vb, vh, vc, vt, vi, n, L)
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _transpose(QT, Qc, b, hh, c, n, dk, "QT")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
             for i, j, t in T.grid(dk, dk, n):
                 with T.sblock("dS"):
                     vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
@@ -439,26 +445,11 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         denA = T.sblock_alloc_buffer((B, H, NC, n), F32)
         den = T.sblock_alloc_buffer((B, H, NC, n), F32)
         for b, hh, c in T.grid(B, H, NC):
-            for t, i in T.grid(n, dk):
-                with T.sblock("Qc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Qc[vb, vh, vc, vt, vi] = _load_chunk(q, vb, vh, vc, vt, vi, n, L)
-            for i, t in T.grid(dk, n):
-                with T.sblock("QT"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
-                    QT[vb, vh, vc, vi, vt] = Qc[vb, vh, vc, vt, vi]
-            for t, i in T.grid(n, dk):
-                with T.sblock("Kc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Kc[vb, vh, vc, vt, vi] = _load_chunk(k, vb, vh, vc, vt, vi, n, L)
-            for i, t in T.grid(dk, n):
-                with T.sblock("KT"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
-                    KT[vb, vh, vc, vi, vt] = Kc[vb, vh, vc, vt, vi]
-            for t, i in T.grid(n, dv):
-                with T.sblock("Vc"):
-                    vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-                    Vc[vb, vh, vc, vt, vi] = _load_chunk(v, vb, vh, vc, vt, vi, n, L)
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _transpose(QT, Qc, b, hh, c, n, dk, "QT")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
             for t, s, i in T.grid(n, n, dk):
                 with T.sblock("W0"):
                     vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
