@@ -154,6 +154,22 @@ def _transpose(dst, src, b, hh, c, rows, cols, name):
             dst[vb, vh, vc, vi, vt] = src[vb, vh, vc, vt, vi]
 
 
+@T.macro
+def _matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name):
+    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed)."""
+    for i, j, r in T.grid(rows, cols, red):
+        with T.sblock(name):
+            vb, vh, vc, vi, vj, vr = T.axis.remap("SSSSSR", [b, hh, c, i, j, r])
+            with T.init():
+                dst[vb, vh, vc, vi, vj] = T.float32(0)
+            if a_transposed:
+                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
+                    + a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj]
+            else:
+                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
+                    + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
+
+
 def chunk_summary(dk: int, dv: int, n: int):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T):
     dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
@@ -188,57 +204,27 @@ def chunk_summary(dk: int, dv: int, n: int):
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
-            for i, j, t in T.grid(dk, dk, n):
-                with T.sblock("dS"):
-                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
-                    with T.init():
-                        dS[vb, vh, vc, vi, vj] = T.float32(0)
-                    dS[vb, vh, vc, vi, vj] = dS[vb, vh, vc, vi, vj] \
-                        + Kc[vb, vh, vc, vt, vi] * Kc[vb, vh, vc, vt, vj]
-            for i, j, t in T.grid(dk, dv, n):
-                with T.sblock("dC"):
-                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
-                    with T.init():
-                        dC[vb, vh, vc, vi, vj] = T.float32(0)
-                    dC[vb, vh, vc, vi, vj] = dC[vb, vh, vc, vi, vj] \
-                        + QT[vb, vh, vc, vi, vt] * Vc[vb, vh, vc, vt, vj]
+            _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
+            _matmul(dC, QT, Vc, b, hh, c, dk, dv, n, False, "dC")
             for i, t in T.grid(dk, n):
                 with T.sblock("dm"):
                     vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
                     with T.init():
                         dm[vb, vh, vc, vi] = T.float32(0)
                     dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + Qc[vb, vh, vc, vt, vi]
-            for j, s, i in T.grid(n, n, dk):
-                with T.sblock("A0"):
-                    vb, vh, vc, vj, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, j, s, i])
-                    with T.init():
-                        A0[vb, vh, vc, vj, vs] = T.float32(0)
-                    A0[vb, vh, vc, vj, vs] = A0[vb, vh, vc, vj, vs] \
-                        + Kc[vb, vh, vc, vj, vi] * QT[vb, vh, vc, vi, vs]
+            _matmul(A0, Kc, QT, b, hh, c, n, n, dk, False, "A0")
             for j, s in T.grid(n, n):
                 with T.sblock("A"):
                     vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
                     A[vb, vh, vc, vj, vs] = T.Select(vj <= vs, A0[vb, vh, vc, vj, vs], T.float32(0))
-            for j, x, s in T.grid(n, dv, n):
-                with T.sblock("AV"):
-                    vb, vh, vc, vj, vx, vs = T.axis.remap("SSSSSR", [b, hh, c, j, x, s])
-                    with T.init():
-                        AV[vb, vh, vc, vj, vx] = T.float32(0)
-                    AV[vb, vh, vc, vj, vx] = AV[vb, vh, vc, vj, vx] \
-                        + A[vb, vh, vc, vj, vs] * Vc[vb, vh, vc, vs, vx]
+            _matmul(AV, A, Vc, b, hh, c, n, dv, n, False, "AV")
             for j, s in T.grid(n, n):
                 with T.sblock("A1"):
                     vb, vh, vc, vj, vs = T.axis.remap("SSSSR", [b, hh, c, j, s])
                     with T.init():
                         A1[vb, vh, vc, vj] = T.float32(0)
                     A1[vb, vh, vc, vj] = A1[vb, vh, vc, vj] + A[vb, vh, vc, vj, vs]
-            for i, x, j in T.grid(dk, dv, n):
-                with T.sblock("dX"):
-                    vb, vh, vc, vi, vx, vj = T.axis.remap("SSSSSR", [b, hh, c, i, x, j])
-                    with T.init():
-                        dX[vb, vh, vc, vi, vx] = T.float32(0)
-                    dX[vb, vh, vc, vi, vx] = dX[vb, vh, vc, vi, vx] \
-                        + Kc[vb, vh, vc, vj, vi] * AV[vb, vh, vc, vj, vx]
+            _matmul(dX, Kc, AV, b, hh, c, dk, dv, n, True, "dX")
             for i, j in T.grid(dk, n):
                 with T.sblock("dr"):
                     vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
@@ -450,13 +436,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
-            for t, s, i in T.grid(n, n, dk):
-                with T.sblock("W0"):
-                    vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
-                    with T.init():
-                        W0[vb, vh, vc, vt, vs] = T.float32(0)
-                    W0[vb, vh, vc, vt, vs] = W0[vb, vh, vc, vt, vs] \
-                        + Qc[vb, vh, vc, vt, vi] * KT[vb, vh, vc, vi, vs]
+            _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
                 with T.sblock("W"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
@@ -476,25 +456,13 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                             ZW[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi]
                         ZW[vb, vh, vc, vt, vi] = ZW[vb, vh, vc, vt, vi] \
                             + W[vb, vh, vc, vt, vj] * Kc[vb, vh, vc, vj, vi]
-                for t, s, i in T.grid(n, n, dk):
-                    with T.sblock("ZQ"):
-                        vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
-                        with T.init():
-                            ZQ[vb, vh, vc, vt, vs] = T.float32(0)
-                        ZQ[vb, vh, vc, vt, vs] = ZQ[vb, vh, vc, vt, vs] \
-                            + ZW[vb, vh, vc, vt, vi] * QT[vb, vh, vc, vi, vs]
+                _matmul(ZQ, ZW, QT, b, hh, c, n, n, dk, False, "ZQ")
                 for t, s in T.grid(n, n):
                     with T.sblock("M"):
                         vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                         M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQ[vb, vh, vc, vt, vs], T.float32(0))
             else:
-                for t, s, i in T.grid(n, n, dk):
-                    with T.sblock("ZQ"):
-                        vb, vh, vc, vt, vs, vi = T.axis.remap("SSSSSR", [b, hh, c, t, s, i])
-                        with T.init():
-                            ZQ[vb, vh, vc, vt, vs] = T.float32(0)
-                        ZQ[vb, vh, vc, vt, vs] = ZQ[vb, vh, vc, vt, vs] \
-                            + Z[vb, vh, vc, vt, vi] * QT[vb, vh, vc, vi, vs]
+                _matmul(ZQ, Z, QT, b, hh, c, n, n, dk, False, "ZQ")
                 for j, s in T.grid(n, n):
                     with T.sblock("WT"):
                         vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
