@@ -3,95 +3,136 @@ from __future__ import annotations
 
 import torch
 
-from . import validate
-from .reference import hla2 as ref
+from . import operators, validate
 
 BACKENDS = ("tvm", "torch")
 
 
 def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps=1e-6,
-        ridge=0.0, decay=None, state=None, return_state=False, backend="tvm", target=None,
-        chunk_size=64):
+        ridge=0.0, decay=None, state=None, return_state=False, attention_mask=None,
+        backend="tvm", target=None, chunk_size=64):
     """Higher-order linear attention, causal, per head.
 
-    Second order (the default), with S, C, m, G, h the prefix summaries of `hla_tvm.reference.hla2`:
-        o_t = q_t^T ((S_t + ridge I) C_t - G_t)                  masked=True
-        o_t = q_t^T  (S_t + ridge I) C_t                         masked=False
-        o_t /= q_t^T ((S_t + ridge I) m_t - h_t) + eps           normalize=True
-    equal to ((W W^T) * L) V with W = L * (Q K^T) for masked, ridge 0.
+    order=2 (HLA), with S, C, m, G, h the prefix summaries of `hla_tvm.reference.hla2`:
+        o_t = q_t^T ((S_t + ridge I) C_t - G_t)       = (((W W^T) * L) V)_t,  W = L * (Q K^T)
+        o_t = q_t^T  (S_t + ridge I) C_t              with masked=False
+    asymmetric=True (AHLA): ((A A) * L) V, A = L * (Q K^T)           (`reference.ahla`)
+    order=3: ((W W^T * L) W) V                                        (`reference.hla3`)
+    normalize=True divides each row by its row sum of the weights plus eps; decay (a float in
+    (0, 1] or a tensor [H]) scales every summary per token as in the paper's Algorithms 1-2.
 
-    q: [B, H, T, Dk], k: [B, H, T, Dk], v: [B, H, T, Dv] (PyTorch SDPA layout).
-    state: the dict a previous call returned with return_state=True; the sequence continues from it
-        (the caller's tensors are not modified).
+    q: [B, H, T, Dk]; k: [B, Hkv, T, Dk]; v: [B, Hkv, T, Dv] with H % Hkv == 0 (query head h reads
+        key/value head h // (H / Hkv)); PyTorch SDPA layout.
+    state: the dict a previous call returned with return_state=True; the sequence continues from
+        it (the caller's tensors are not modified). Entries built from k, v alone have Hkv heads.
+    attention_mask: [B, T], 1 = token, 0 = padding: padded tokens leave the state untouched and
+        output zeros.
     backend: "tvm" runs the compiled TensorIR kernels (T == 1 uses the decode kernel, longer inputs
-        the chunked prefill with `chunk_size`); "torch" runs the PyTorch reference.
+        the chunked prefill with `chunk_size`); "torch" runs the PyTorch reference (chunk form,
+        differentiable).
     target: None or "llvm" for this CPU, or a dict / tvm.target.Target.
     Returns o [B, H, T, Dv] in q's dtype, or (o, state) with return_state=True.
     """
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
     order = validate.integer("order", order, choices={2, 3})
-    eps = validate.real("eps", eps, low=0.0)
-    ridge = validate.real("ridge", ridge, low=0.0)
-    decay = validate.decay(decay, H)
-    chunk_size = validate.integer("chunk_size", chunk_size, low=1)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if state is not None:
-        validate.state(state, B, H, dk, dv)
     for name, flag in (("asymmetric", asymmetric), ("masked", masked), ("normalize", normalize),
                        ("return_state", return_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    _not_yet(backend, order=order, asymmetric=asymmetric, grouped=Hkv != H, decay=decay,
-             dtype=q.dtype, device=q.device)
-    opts = dict(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
+    op = operators.get(order, asymmetric)
+    eps = validate.real("eps", eps, low=0.0)
+    ridge = validate.real("ridge", ridge, low=0.0)
+    if not op.has_mask_ridge and (ridge or not masked):
+        raise ValueError(f"masked=False and ridge are defined for second-order symmetric HLA "
+                         f"only, not for {op.name}")
+    decay = validate.decay(decay, H)
+    chunk_size = validate.integer("chunk_size", chunk_size, low=1)
+    mask = validate.attention_mask(attention_mask, B, T)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if state is not None:
+        validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
+                       f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
+    opts = dict(normalize=normalize, eps=eps)
+    if op.has_mask_ridge:
+        opts.update(masked=masked, ridge=ridge)
     if backend == "torch":
-        out, new_state = _torch(q, k, v, state, decay, chunk_size, opts)
+        out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
     else:
-        out, new_state = _tvm(q, k, v, state, target, chunk_size, opts)
+        _tvm_not_yet(op, grouped=Hkv != H, decay=decay, dtype=q.dtype, device=q.device)
+        out, new_state = _tvm(q, k, v, state, mask, target, chunk_size, opts)
     return (out, new_state) if return_state else out
 
 
-def _not_yet(backend, *, order, asymmetric, grouped, decay, dtype, device):
-    """Options whose kernels are not written yet raise NotImplementedError naming the option."""
+def _tvm_not_yet(op, *, grouped, decay, dtype, device):
+    """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if order != 2:
-        missing.append(f"order={order}")
-    if asymmetric:
-        missing.append("asymmetric=True")
+    if op.name != "hla2":
+        missing.append({"ahla": "asymmetric=True", "hla3": "order=3"}[op.name])
     if grouped:
         missing.append("grouped key/value heads (k, v with fewer heads than q)")
-    if backend == "tvm":
-        if decay is not None:
-            missing.append("decay")
-        if dtype != torch.float32:
-            missing.append(f"dtype {dtype} (the kernels compute in float32 for now)")
-        if device.type != "cpu":
-            missing.append(f"device {device} (CPU tensors only for now)")
+    if decay is not None:
+        missing.append("decay")
+    if dtype != torch.float32:
+        missing.append(f"dtype {dtype} (the kernels compute in float32 for now)")
+    if device.type != "cpu":
+        missing.append(f"device {device} (CPU tensors only for now)")
     if missing:
-        raise NotImplementedError(f"backend={backend!r} does not support yet: "
-                                  + "; ".join(missing))
+        raise NotImplementedError("backend='tvm' does not support yet: " + "; ".join(missing)
+                                  + " (backend='torch' does)")
 
 
-def _torch(q, k, v, state, decay, chunk_size, opts):
+def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
+    """The reference: chunk form (serial where padding meets decay), in float64 for float64
+    input and float32 otherwise; key/value heads are repeated for grouped attention."""
+    H, Hkv = q.shape[1], k.shape[1]
+    group = H // Hkv
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     qw, kw, vw = (x.to(work) for x in (q, k, v))
-    st = None if state is None else {n: x.to(work) for n, x in state.items()}
-    if decay is None:
-        out, st = ref.chunked(qw, kw, vw, chunk_size=chunk_size, state=st, **opts)
+    if group > 1:
+        kw, vw = kw.repeat_interleave(group, 1), vw.repeat_interleave(group, 1)
+    st = None
+    if state is not None:
+        st = {n: (x.repeat_interleave(group, 1) if n in op.kv_state else x).to(work)
+              for n, x in state.items()}
+    if mask is not None and decay is not None:
+        out, st = _serial_with_padding(op, qw, kw, vw, st, decay, mask, opts)
     else:
-        out, st = ref.serial(qw, kw, vw, decay=decay, state=st, **opts)
+        if mask is not None:  # a zero token leaves every undecayed summary unchanged
+            keep = mask[:, None, :, None].to(work)
+            qw, kw, vw = qw * keep, kw * keep, vw * keep
+        out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
+    if group > 1:
+        st = {n: (x[:, ::group] if n in op.kv_state else x) for n, x in st.items()}
     return out.to(q.dtype), st
 
 
-def _tvm(q, k, v, state, target, chunk_size, opts):
+def _serial_with_padding(op, q, k, v, st, decay, mask, opts):
+    """Token by token; at padding the state is kept as it was and the output is zero."""
+    B, H, T, dk = q.shape
+    if st is None:
+        st = op.ref.zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
+    outs = []
+    for t in range(T):
+        o, new = op.ref.step(q[:, :, t], k[:, :, t], v[:, :, t], st, decay=decay, **opts)
+        keep = mask[:, t]
+        st = {n: torch.where(keep.view(B, *[1] * (x.dim() - 1)), new[n], x) for n, x in st.items()}
+        outs.append(o * keep.view(B, 1, 1).to(o.dtype))
+    return torch.stack(outs, 2), st
+
+
+def _tvm(q, k, v, state, mask, target, chunk_size, opts):
     from . import backend as tvm_backend
+    from .reference import hla2
     from .target import resolve
 
     B, H, T, dk = q.shape
     dv = v.shape[-1]
+    if mask is not None:  # zero tokens leave the (undecayed) state unchanged and output zero
+        keep = mask[:, None, :, None].to(q.dtype)
+        q, k, v = q * keep, k * keep, v * keep
     if state is None:
-        st = ref.zero_state(B, H, dk, dv, torch.float32)
+        st = hla2.zero_state(B, H, dk, dv, torch.float32)
     else:  # a private float32 copy: the kernels update it in place
         st = {n: x.to(torch.float32).contiguous().clone() for n, x in state.items()}
     out = tvm_backend.run(q.contiguous(), k.contiguous(), v.contiguous(), st,

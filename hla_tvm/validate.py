@@ -5,7 +5,6 @@ import numbers
 
 import torch
 
-from .reference.hla2 import STATE_NAMES, state_shapes
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -81,22 +80,34 @@ def decay(value, heads):
     return real("decay", value, low=0.0, low_open=True, high=1.0)
 
 
-def state(st, B, H, dk, dv):
-    """A state dict with exactly the keys S, C, m, G, h and the shapes of `state_shapes`."""
+def state(st, shapes, context):
+    """A state dict with exactly the keys and shapes of `shapes` ({name: shape})."""
+    names = list(shapes)
     if not isinstance(st, dict):
-        raise TypeError(f"state must be a dict of tensors {list(STATE_NAMES)}, "
-                        f"got {type(st).__name__}")
-    shapes = state_shapes(B, H, dk, dv)
-    if set(st) != set(STATE_NAMES):
-        raise ValueError(f"state must have exactly the keys {list(STATE_NAMES)}, "
-                         f"got {sorted(st)}")
+        raise TypeError(f"state must be a dict of tensors {names}, got {type(st).__name__}")
+    if set(st) != set(names):
+        raise ValueError(f"state must have exactly the keys {names}, got {sorted(st)}")
     for name, want in shapes.items():
         x = st[name]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"state[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"state[{name!r}] must be floating, got {x.dtype}")
-        if tuple(x.shape) != want:
-            raise ValueError(f"state[{name!r}] must have shape {list(want)} for q/k/v of "
-                             f"B={B}, H={H}, Dk={dk}, Dv={dv}, got {tuple(x.shape)}")
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"state[{name!r}] must have shape {list(want)} for {context}, "
+                             f"got {tuple(x.shape)}")
     return st
+
+
+def attention_mask(mask, B, T):
+    """None, or a [B, T] tensor of 0/1 (bool or numbers): 1 = token, 0 = padding."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}], "
+                         f"got {tuple(mask.shape)}")
+    if mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    return mask.bool()

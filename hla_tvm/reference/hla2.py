@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ._common import decay_matrix, gamma, matvec, powers
+
 STATE_NAMES = ("S", "C", "m", "G", "h")
 
 
@@ -81,7 +83,7 @@ def step(q, k, v, st, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, deca
         G <- gamma G + k k^T C,  h <- gamma h + k k^T m     (C, m before this token, not decayed)
         S <- gamma S + k k^T,    C <- gamma C + q v^T,   m <- gamma m + q
     """
-    g = _gamma(decay, q)
+    g = gamma(decay, q)
     kk = k[..., :, None] * k[..., None, :]
     new = {
         "G": g[..., None, None] * st["G"] + kk @ st["C"],
@@ -91,14 +93,6 @@ def step(q, k, v, st, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, deca
         "m": g[..., None] * st["m"] + q,
     }
     return _readout(q, new, masked, normalize, eps, ridge), new
-
-
-def _gamma(decay, q):
-    B, H = q.shape[:2]
-    if decay is None:
-        return torch.ones(B, H, dtype=q.dtype, device=q.device)
-    d = torch.as_tensor(decay, dtype=q.dtype, device=q.device)
-    return d.expand(H).expand(B, H) if d.ndim == 0 else d.reshape(1, H).expand(B, H)
 
 
 def serial(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None, state=None):
@@ -114,47 +108,60 @@ def serial(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=
 
 
 def chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e-6, ridge=0.0,
-            state=None):
-    """The exact chunk-parallel form (no decay). Returns (o, state) equal to `serial`.
+            decay=None, state=None):
+    """The exact chunk-parallel form. Returns (o, state) equal to `serial`.
 
-    With (S, C, m, G, h) the state carried into a chunk and W = L * (Q_c K_c^T) chunk-local,
-    the chunk's outputs are (Figure 1(C) of the paper misses the middle term):
+    Without decay, with (S, C, m, G, h) the state carried into a chunk and W = L * (Q_c K_c^T)
+    chunk-local, the chunk's outputs are (Figure 1(C) of the paper misses the middle term):
         masked:   Q_c ((S+lI) C - G)  +  ((Q_c (S+lI) Q_c^T) * L) V_c  +  ((W W^T) * L) V_c
         unmasked: Z C + ((Z Q_c^T) * L) V_c   with   Z = Q_c (S + lI) + W K_c
     and the carry to the next chunk (the paper's semidirect-product operator, eq. 4.1) is
         G += K^T ((K Q^T) * L_strict) V + (K^T K) C,   h likewise with m,
         S += K^T K,   C += Q^T V,   m += Q^T 1.
-    """
+
+    With decay g (Algorithm 1: S, C, m, G, h scaled by g, the cross term k k^T C_{t-1} not),
+    local t = 1..n, Gamma[t, s] = g^(t-s) [s <= t], Gamma'[t, s] = g^(t-1-s) [s < t],
+    B[j, s] = k_j.q_s [s < j]:
+        o = diag(g^2t) Q S C - diag(g^t) Q G + ((diag(g^t) Q S Q^T) * Gamma) V
+            + l (diag(g^t) Q C + ((Q Q^T) * Gamma) V)                 [ridge]
+            + ((Q K^T) * (diag(g^t) Gamma - g^(t-1))) (K C)          [the undecayed key moment]
+            + (((W * Gamma) K Q^T) * Gamma) V - ((W B) * Gamma') V    [intra-chunk]
+        G' = g^n G + g^(n-1) (K^T K) C + K^T (B diag(g^(n-1-s)) V),  S' = g^n S + K^T diag(g^(n-j)) K
+    (unmasked drops the G terms, the -g^(t-1) weight and the W B term). At g = 1 this is the
+    form above: the K C term vanishes and W K Q^T - W B = W W^T."""
     B, H, T, dk = q.shape
     st = state if state is not None else zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
-    st = dict(st)
-    eye = torch.eye(dk, dtype=q.dtype, device=q.device)
+    g = gamma(decay, q)
+    mk = 1.0 if masked else 0.0
     outs = []
     for c0 in range(0, T, chunk_size):
         Q, K, V = (x[:, :, c0:c0 + chunk_size] for x in (q, k, v))
         n = Q.shape[-2]
-        L = _causal(n, q.device)
         S, C, m, G, h = (st[x] for x in STATE_NAMES)
-        Sr = S + ridge * eye
-        W = (Q @ K.transpose(-1, -2)).masked_fill(~L, 0)
-        if masked:
-            Z = Q @ Sr
-            M = (Z @ Q.transpose(-1, -2) + W @ W.transpose(-1, -2)).masked_fill(~L, 0)
-            num = Q @ (Sr @ C - G) + M @ V
-            den = (Q @ (Sr @ m[..., None] - h[..., None]))[..., 0] + M.sum(-1)
-        else:
-            Z = Q @ Sr + W @ K
-            M = (Z @ Q.transpose(-1, -2)).masked_fill(~L, 0)
-            num = Z @ C + M @ V
-            den = (Z @ m[..., None])[..., 0] + M.sum(-1)
+        pw = powers(g, n)
+        gt, gt1 = pw[..., 1:, None], pw[..., :-1, None]          # g^t, g^(t-1), t = 1..n
+        Gam, Gam1 = decay_matrix(g, n), decay_matrix(g, n, -1) / g[..., None, None]
+        W = (Q @ K.transpose(-1, -2)).masked_fill(~_causal(n, q.device), 0)
+        KQ = K @ Q.transpose(-1, -2)
+        Bs = KQ.tril(-1)                                          # k_j.q_s for s < j
+        # the ridge term l q_t^T C_t = l g^t q_t^T C + l sum_s g^(t-s) (q_t.q_s) v_s
+        X = gt * (Q @ (S @ C)) - mk * (Q @ G) + ridge * (Q @ C)
+        x = gt[..., 0] * matvec(Q, matvec(S, m)) - mk * matvec(Q, h) + ridge * matvec(Q, m)
+        M = (gt * (Q @ S @ Q.transpose(-1, -2)) + ridge * (Q @ Q.transpose(-1, -2))) * Gam \
+            + ((W * Gam) @ KQ) * Gam - mk * (W @ Bs) * Gam1
+        KW = (Q @ K.transpose(-1, -2)) * (gt * Gam - mk * gt1 * _causal(n, q.device))
+        num = gt * X + KW @ (K @ C) + M @ V
+        den = gt[..., 0] * x + matvec(KW, matvec(K, m)) + M.sum(-1)
         outs.append(num / (den + eps)[..., None] if normalize else num)
-        KK = K.transpose(-1, -2) @ K
-        A = (K @ Q.transpose(-1, -2)).tril(-1)          # A[j, s] = k_j . q_s for s < j
+        gn, gn1 = pw[..., n, None, None], pw[..., n - 1, None, None]
+        tail = pw.flip(-1)[..., 1:, None]                         # g^(n-s), s = 1..n
+        tail1 = tail / g[..., None, None]                         # g^(n-1-s)
+        Kt, KK = K.transpose(-1, -2), K.transpose(-1, -2) @ K
         st = {
-            "G": G + K.transpose(-1, -2) @ (A @ V) + KK @ C,
-            "h": h + (K.transpose(-1, -2) @ A.sum(-1)[..., None] + KK @ m[..., None])[..., 0],
-            "S": S + KK,
-            "C": C + Q.transpose(-1, -2) @ V,
-            "m": m + Q.sum(-2),
+            "G": gn * G + gn1 * KK @ C + Kt @ (Bs @ (tail1 * V)),
+            "h": gn[..., 0] * h + gn1[..., 0] * matvec(KK, m) + matvec(Kt, matvec(Bs, tail1[..., 0])),
+            "S": gn * S + Kt @ (tail * K),
+            "C": gn * C + Q.transpose(-1, -2) @ (tail * V),
+            "m": gn[..., 0] * m + matvec(Q.transpose(-1, -2), tail[..., 0]),
         }
     return torch.cat(outs, dim=2), st

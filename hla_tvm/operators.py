@@ -1,0 +1,41 @@
+"""The HLA operator family: which reference module, state and options each operator has."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from .reference import ahla, hla2, hla3
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    ref: ModuleType
+    kv_state: tuple           # state entries built from k, v alone: one per key/value head
+    has_mask_ridge: bool      # accepts masked=False and ridge
+
+    @property
+    def state_names(self):
+        return self.ref.STATE_NAMES
+
+    def state_shapes(self, B, H, Hkv, dk, dv):
+        """{name: shape}; entries in kv_state have Hkv heads (paper Section 5.2)."""
+        shapes = dict(self.ref.state_shapes(B, H, dk, dv))
+        for name in self.kv_state:
+            shapes[name] = (B, Hkv) + tuple(shapes[name][2:])
+        return shapes
+
+
+OPERATORS = {
+    (2, False): Operator("hla2", hla2, ("S",), True),
+    (2, True): Operator("ahla", ahla, ("P", "m"), False),
+    (3, False): Operator("hla3", hla3, ("S", "P", "m"), False),
+}
+
+
+def get(order, asymmetric):
+    try:
+        return OPERATORS[(order, asymmetric)]
+    except KeyError:
+        raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator; "
+                         "asymmetric=True is defined for order 2 only") from None

@@ -1,0 +1,45 @@
+"""Helpers shared by the reference operators."""
+from __future__ import annotations
+
+import torch
+
+
+def causal(T, device, diagonal=0):
+    """Boolean [T, T] lower-triangular mask (with the diagonal for diagonal=0, strict for -1)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def gamma(decay, q):
+    """Per (batch, head) decay [B, H] in q's dtype: 1 for None, a float, or a tensor [H]."""
+    B, H = q.shape[:2]
+    if decay is None:
+        return torch.ones(B, H, dtype=q.dtype, device=q.device)
+    d = torch.as_tensor(decay, dtype=q.dtype, device=q.device)
+    return d.expand(B, H) if d.ndim == 0 else d.reshape(1, H).expand(B, H)
+
+
+def powers(g, n):
+    """g^0 .. g^n for g [B, H]: [B, H, n + 1]."""
+    return g[..., None] ** torch.arange(n + 1, dtype=g.dtype, device=g.device)
+
+
+def decay_matrix(g, n, diagonal=0):
+    """Gamma[t, s] = g^(t - s) for s <= t (s < t for diagonal=-1), else 0: [B, H, n, n]."""
+    idx = torch.arange(n, device=g.device)
+    diff = (idx[:, None] - idx[None, :]).clamp(min=0).to(g.dtype)
+    return (g[..., None, None] ** diff) * causal(n, g.device, diagonal)
+
+
+def outer(a, b):
+    """Per-token outer products a b^T for a [..., d], b [..., e]."""
+    return a[..., :, None] * b[..., None, :]
+
+
+def matvec(M, x):
+    """M x for M [..., d, e], x [..., e]."""
+    return (M @ x[..., None])[..., 0]
+
+
+def vecmat(x, M):
+    """x^T M for x [..., d], M [..., d, e]."""
+    return (x[..., None, :] @ M)[..., 0, :]
