@@ -98,3 +98,23 @@ def test_torch_backend_runs_decay_and_half():
     q, k, v = qkv(dtype=torch.float16)
     out = hla(q, k, v, backend="torch", decay=0.9)
     assert out.dtype == torch.float16 and out.shape == (1, 2, 5, 3)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(order=3, asymmetric=True), ValueError, "asymmetric=True is defined for order 2 only"),
+    (dict(asymmetric=True, ridge=0.1), ValueError, "ridge are defined for second-order"),
+    (dict(order=3, masked=False), ValueError, "masked=False and ridge"),
+    (dict(attention_mask=torch.ones(1, 4)), ValueError, r"attention_mask must have shape \[B, T\] = \[1, 5\]"),
+    (dict(attention_mask=torch.full((1, 5), 2.0)), ValueError, "only 0 \\(padding\\) and 1"),
+    (dict(attention_mask=[[1, 1, 1, 1, 1]]), TypeError, "attention_mask must be a torch.Tensor"),
+])
+def test_bad_family_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        hla(*qkv(), backend="torch", **kwargs)
+
+
+def test_state_of_another_operator_is_refused():
+    q, k, v = qkv()
+    _, st = hla(q, k, v, backend="torch", return_state=True)
+    with pytest.raises(ValueError, match="exactly the keys"):
+        hla(q, k, v, backend="torch", order=3, state=st)
