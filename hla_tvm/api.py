@@ -59,12 +59,12 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     if backend == "torch":
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
     else:
-        _tvm_not_yet(op, grouped=Hkv != H, decay=decay, dtype=q.dtype, device=q.device)
+        _tvm_not_yet(op, grouped=Hkv != H, decay=decay, device=q.device)
         out, new_state = _tvm(q, k, v, state, mask, target, chunk_size, opts)
     return (out, new_state) if return_state else out
 
 
-def _tvm_not_yet(op, *, grouped, decay, dtype, device):
+def _tvm_not_yet(op, *, grouped, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
     if op.name != "hla2":
@@ -73,8 +73,6 @@ def _tvm_not_yet(op, *, grouped, decay, dtype, device):
         missing.append("grouped key/value heads (k, v with fewer heads than q)")
     if decay is not None:
         missing.append("decay")
-    if dtype != torch.float32:
-        missing.append(f"dtype {dtype} (the kernels compute in float32 for now)")
     if device.type != "cpu":
         missing.append(f"device {device} (CPU tensors only for now)")
     if missing:
@@ -131,10 +129,11 @@ def _tvm(q, k, v, state, mask, target, chunk_size, opts):
     if mask is not None:  # zero tokens leave the (undecayed) state unchanged and output zero
         keep = mask[:, None, :, None].to(q.dtype)
         q, k, v = q * keep, k * keep, v * keep
+    acc = tvm_backend.accum_dtype(q.dtype)
     if state is None:
-        st = hla2.zero_state(B, H, dk, dv, torch.float32)
-    else:  # a private float32 copy: the kernels update it in place
-        st = {n: x.to(torch.float32).contiguous().clone() for n, x in state.items()}
+        st = hla2.zero_state(B, H, dk, dv, acc)
+    else:  # a private copy in the accumulation dtype: the kernels update it in place
+        st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
     out = tvm_backend.run(q.contiguous(), k.contiguous(), v.contiguous(), st,
                           chunk_size=chunk_size, target=resolve(target), **opts)
     return out, st

@@ -100,3 +100,36 @@ def _random_state(B, H, dk, dv, seed, positive=False):
     """A state reached by running the serial recurrence over random tokens (so it is consistent)."""
     q, k, v = make_qkv(B, H, 9, dk, dv, seed=seed, positive=positive)
     return ref.serial(q, k, v)[1]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float16, 2e-2),
+                                        (torch.bfloat16, 2e-2)])
+def test_precisions(dtype, tol):
+    """Half inputs: float32 state and accumulation, output in the input dtype; float64 stays
+    float64 throughout (for verification)."""
+    q1, k1, v1 = make_qkv(2, 2, 78, 16, 8, seed=13)
+    q, k, v = (x[:, :, :77] for x in (q1, k1, v1))
+    want = ref.quadratic(q1, k1, v1)
+    out, st = hla(q.to(dtype), k.to(dtype), v.to(dtype), return_state=True)
+    assert out.dtype == dtype
+    assert st["S"].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(out, want[:, :, :77]) <= tol
+    # decode continues from the prefill state
+    o1 = hla(q1[:, :, 77:].to(dtype), k1[:, :, 77:].to(dtype), v1[:, :, 77:].to(dtype), state=st)
+    assert o1.dtype == dtype
+    assert rel_err(o1, want[:, :, 77:]) <= tol
+
+
+def test_attention_mask_on_tvm_backend():
+    q, k, v = make_qkv(2, 2, 30, 8, 8, seed=14)
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, 20:] = False
+    out, st = hla(*f32(q, k, v), attention_mask=mask, return_state=True)
+    for b in range(2):
+        keep = mask[b]
+        want, want_st = ref.serial(q[b:b + 1, :, keep], k[b:b + 1, :, keep], v[b:b + 1, :, keep])
+        assert rel_err(out[b:b + 1, :, keep], want) <= TOL
+        assert out[b, :, ~keep].abs().max() == 0
+        for n in ref.STATE_NAMES:
+            assert rel_err(st[n][b:b + 1], want_st[n]) <= TOL

@@ -1,4 +1,4 @@
-"""Second-order HLA as TensorIR (float32 state and accumulation).
+"""Second-order HLA as TensorIR.
 
 Each builder returns an s_tir PrimFunc; batch B, heads H, length T and the chunk count NC are
 symbolic, head sizes and the chunk size are fixed at build time. The functions mirror
@@ -17,20 +17,23 @@ chunk; G and h are recovered at the end as S C - X and S m - r.
 """
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
-F32 = "float32"
-# attribute of functions whose loops already carry their CPU schedule (in-place state updates)
-PRESCHEDULED = "hla_tvm.prescheduled"
+from ._tir import PRESCHEDULED, accum_dtype, const, matmul as _matmul, stage as _stage, \
+    transpose as _transpose
 
 
-def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0):
+def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, dtype="float32"):
     """o = q^T((S'+lI) C' - G') [/ (q^T((S'+lI) m' - h') + eps)], with the state updated in place:
     G += k (k^T C), h += k (k^T m), S += k k^T, C += q v^T, m += q   (C, m read before the update).
     Shapes: q, k [B, H, 1, dk], v [B, H, 1, dv], o [B, H, 1, dv].
 
     In-place updates do not satisfy s_tir's dataflow checks, so the CPU schedule (parallel over
     batch*heads, vectorized rows) is written into the loops here."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
     msk = 1.0 if masked else 0.0
 
     @T.prim_func(s_tir=True)
@@ -38,71 +41,87 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
                     m_h: T.handle, G_h: T.handle, h_h: T.handle, o_h: T.handle):
         B = T.int64()
         H = T.int64()
-        q = T.match_buffer(q_h, (B, H, 1, dk), F32)
-        k = T.match_buffer(k_h, (B, H, 1, dk), F32)
-        v = T.match_buffer(v_h, (B, H, 1, dv), F32)
-        S = T.match_buffer(S_h, (B, H, dk, dk), F32)
-        C = T.match_buffer(C_h, (B, H, dk, dv), F32)
-        m = T.match_buffer(m_h, (B, H, dk), F32)
-        G = T.match_buffer(G_h, (B, H, dk, dv), F32)
-        h = T.match_buffer(h_h, (B, H, dk), F32)
-        o = T.match_buffer(o_h, (B, H, 1, dv), F32)
+        q = T.match_buffer(q_h, (B, H, 1, dk), io)
+        k = T.match_buffer(k_h, (B, H, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
+        C = T.match_buffer(C_h, (B, H, dk, dv), acc)
+        m = T.match_buffer(m_h, (B, H, dk), acc)
+        G = T.match_buffer(G_h, (B, H, dk, dv), acc)
+        h = T.match_buffer(h_h, (B, H, dk), acc)
+        o = T.match_buffer(o_h, (B, H, 1, dv), io)
         for bh in T.parallel(B * H):
-            kC = T.alloc_buffer((dv,), F32)
-            u = T.alloc_buffer((dk,), F32)
-            num = T.alloc_buffer((dv,), F32)
-            km = T.alloc_buffer((1,), F32)
-            den = T.alloc_buffer((1,), F32)
+            kC = T.alloc_buffer((dv,), acc)
+            u = T.alloc_buffer((dk,), acc)
+            num = T.alloc_buffer((dv,), acc)
+            km = T.alloc_buffer((1,), acc)
+            den = T.alloc_buffer((1,), acc)
+            qa = T.alloc_buffer((dk,), acc)
+            ka = T.alloc_buffer((dk,), acc)
+            va = T.alloc_buffer((dv,), acc)
+            for i in T.vectorized(dk):
+                with T.sblock("qk"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
+                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
+            for j in T.vectorized(dv):
+                with T.sblock("va"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
             with T.sblock("scalars0"):
-                km[0] = T.float32(0)
-                den[0] = T.float32(eps)
+                km[0] = _c(0)
+                den[0] = _c(eps)
             for j in T.vectorized(dv):
                 with T.sblock("zero_dv"):
                     vj = T.axis.spatial(dv, j)
-                    kC[vj] = T.float32(0)
-                    num[vj] = T.float32(0)
+                    kC[vj] = _c(0)
+                    num[vj] = _c(0)
             for i in T.serial(dk):
                 for j in T.vectorized(dv):
                     with T.sblock("kC"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("RS", [i, j])
-                        kC[vj] = kC[vj] + k[vb, vh, 0, vi] * C[vb, vh, vi, vj]
+                        kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
             for i in T.serial(dk):
                 with T.sblock("km"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vi = T.axis.reduce(dk, i)
-                    km[0] = km[0] + k[vb, vh, 0, vi] * m[vb, vh, vi]
+                    km[0] = km[0] + ka[vi] * m[vb, vh, vi]
             for i in T.serial(dk):
                 for j in T.vectorized(dv):
                     with T.sblock("upd_CG"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("SS", [i, j])
-                        G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + k[vb, vh, 0, vi] * kC[vj]
-                        C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + q[vb, vh, 0, vi] * v[vb, vh, 0, vj]
+                        G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + ka[vi] * kC[vj]
+                        C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + qa[vi] * va[vj]
                 for j in T.vectorized(dk):
                     with T.sblock("upd_S"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("SS", [i, j])
-                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + k[vb, vh, 0, vi] * k[vb, vh, 0, vj]
+                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + ka[vi] * ka[vj]
             for i in T.vectorized(dk):
                 with T.sblock("upd_mh"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vi = T.axis.spatial(dk, i)
-                    h[vb, vh, vi] = h[vb, vh, vi] + k[vb, vh, 0, vi] * km[0]
-                    m[vb, vh, vi] = m[vb, vh, vi] + q[vb, vh, 0, vi]
-                    u[vi] = T.float32(ridge) * q[vb, vh, 0, vi]
+                    h[vb, vh, vi] = h[vb, vh, vi] + ka[vi] * km[0]
+                    m[vb, vh, vi] = m[vb, vh, vi] + qa[vi]
+                    u[vi] = _c(ridge) * qa[vi]
             for l in T.serial(dk):
                 for i in T.vectorized(dk):
                     with T.sblock("u"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vl, vi = T.axis.remap("RS", [l, i])
-                        u[vi] = u[vi] + S[vb, vh, vl, vi] * q[vb, vh, 0, vl]
+                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
             for i in T.serial(dk):
                 for j in T.vectorized(dv):
                     with T.sblock("num"):
@@ -110,71 +129,34 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("RS", [i, j])
                         num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
-                            - T.float32(msk) * q[vb, vh, 0, vi] * G[vb, vh, vi, vj]
+                            - _c(msk) * qa[vi] * G[vb, vh, vi, vj]
             if normalize:
                 for i in T.serial(dk):
                     with T.sblock("den"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi = T.axis.reduce(dk, i)
-                        den[0] = den[0] + u[vi] * m[vb, vh, vi] - T.float32(msk) * q[vb, vh, 0, vi] * h[vb, vh, vi]
+                        den[0] = den[0] + u[vi] * m[vb, vh, vi] - _c(msk) * qa[vi] * h[vb, vh, vi]
             for j in T.vectorized(dv):
                 with T.sblock("o"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vj = T.axis.spatial(dv, j)
                     if normalize:
-                        o[vb, vh, 0, vj] = num[vj] / den[0]
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / den[0])
                     else:
-                        o[vb, vh, 0, vj] = num[vj]
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
 
     return hla2_decode.with_attr(PRESCHEDULED, True)
 
 
-def _load_chunk(src, vb, vh, vc, vt, vi, n, L):
-    """src[b, h, c*n + t, i], zero past the end of the sequence (the last chunk may be short)."""
-    return T.if_then_else(vc * n + vt < L, src[vb, vh, vc * n + vt, vi], T.float32(0))
-
-
-@T.macro
-def _stage(dst, src, b, hh, c, n, width, L, name):
-    """dst[b, h, c, t, i] = src[b, h, c*n + t, i] for the chunk's rows (zero past T)."""
-    for t, i in T.grid(n, width):
-        with T.sblock(name):
-            vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-            dst[vb, vh, vc, vt, vi] = _load_chunk(src, vb, vh, vc, vt, vi, n, L)
-
-
-@T.macro
-def _transpose(dst, src, b, hh, c, rows, cols, name):
-    """dst[b, h, c, i, t] = src[b, h, c, t, i] (rows x cols -> cols x rows)."""
-    for i, t in T.grid(cols, rows):
-        with T.sblock(name):
-            vb, vh, vc, vi, vt = T.axis.remap("SSSSS", [b, hh, c, i, t])
-            dst[vb, vh, vc, vi, vt] = src[vb, vh, vc, vt, vi]
-
-
-@T.macro
-def _matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name):
-    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed)."""
-    for i, j, r in T.grid(rows, cols, red):
-        with T.sblock(name):
-            vb, vh, vc, vi, vj, vr = T.axis.remap("SSSSSR", [b, hh, c, i, j, r])
-            with T.init():
-                dst[vb, vh, vc, vi, vj] = T.float32(0)
-            if a_transposed:
-                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                    + a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj]
-            else:
-                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                    + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
-
-
-def chunk_summary(dk: int, dv: int, n: int):
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T):
     dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
     Shapes: q, k [B, H, T, dk], v [B, H, T, dv]; dS [B, H, NC, dk, dk], dC, dX [B, H, NC, dk, dv],
     dm, dr [B, H, NC, dk]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def hla2_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
@@ -183,22 +165,22 @@ def chunk_summary(dk: int, dv: int, n: int):
         H = T.int64()
         L = T.int64()
         NC = T.int64()
-        q = T.match_buffer(q_h, (B, H, L, dk), F32)
-        k = T.match_buffer(k_h, (B, H, L, dk), F32)
-        v = T.match_buffer(v_h, (B, H, L, dv), F32)
-        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), F32)
-        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), F32)
-        dm = T.match_buffer(dm_h, (B, H, NC, dk), F32)
-        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), F32)
-        dr = T.match_buffer(dr_h, (B, H, NC, dk), F32)
-        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
-        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
-        A0 = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        A = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        AV = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
-        A1 = T.sblock_alloc_buffer((B, H, NC, n), F32)
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), acc)
+        dr = T.match_buffer(dr_h, (B, H, NC, dk), acc)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        A0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        AV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        A1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
@@ -210,32 +192,32 @@ def chunk_summary(dk: int, dv: int, n: int):
                 with T.sblock("dm"):
                     vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
                     with T.init():
-                        dm[vb, vh, vc, vi] = T.float32(0)
+                        dm[vb, vh, vc, vi] = _c(0)
                     dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + Qc[vb, vh, vc, vt, vi]
             _matmul(A0, Kc, QT, b, hh, c, n, n, dk, False, "A0")
             for j, s in T.grid(n, n):
                 with T.sblock("A"):
                     vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
-                    A[vb, vh, vc, vj, vs] = T.Select(vj <= vs, A0[vb, vh, vc, vj, vs], T.float32(0))
+                    A[vb, vh, vc, vj, vs] = T.Select(vj <= vs, A0[vb, vh, vc, vj, vs], _c(0))
             _matmul(AV, A, Vc, b, hh, c, n, dv, n, False, "AV")
             for j, s in T.grid(n, n):
                 with T.sblock("A1"):
                     vb, vh, vc, vj, vs = T.axis.remap("SSSSR", [b, hh, c, j, s])
                     with T.init():
-                        A1[vb, vh, vc, vj] = T.float32(0)
+                        A1[vb, vh, vc, vj] = _c(0)
                     A1[vb, vh, vc, vj] = A1[vb, vh, vc, vj] + A[vb, vh, vc, vj, vs]
             _matmul(dX, Kc, AV, b, hh, c, dk, dv, n, True, "dX")
             for i, j in T.grid(dk, n):
                 with T.sblock("dr"):
                     vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
                     with T.init():
-                        dr[vb, vh, vc, vi] = T.float32(0)
+                        dr[vb, vh, vc, vi] = _c(0)
                     dr[vb, vh, vc, vi] = dr[vb, vh, vc, vi] + Kc[vb, vh, vc, vj, vi] * A1[vb, vh, vc, vj]
 
     return hla2_chunk_summary
 
 
-def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
+def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
     """Sequential scan over chunks, state (S, C, m, G, h) [B, H, ...] updated in place.
 
     Before chunk c it records the chunk's readout: Sc[c] = S and
@@ -243,6 +225,8 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
         unmasked: Xc[c] = C,               rc[c] = m
     then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h.
     The schedule (parallel over batch*heads, vectorized rows) is written into the loops."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
     msk = 1.0 if masked else 0.0
 
@@ -254,22 +238,22 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
         B = T.int64()
         H = T.int64()
         NC = T.int64()
-        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), F32)
-        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), F32)
-        dm = T.match_buffer(dm_h, (B, H, NC, dk), F32)
-        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), F32)
-        dr = T.match_buffer(dr_h, (B, H, NC, dk), F32)
-        S = T.match_buffer(S_h, (B, H, dk, dk), F32)
-        C = T.match_buffer(C_h, (B, H, dk, dv), F32)
-        m = T.match_buffer(m_h, (B, H, dk), F32)
-        G = T.match_buffer(G_h, (B, H, dk, dv), F32)
-        h = T.match_buffer(h_h, (B, H, dk), F32)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), F32)
-        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), F32)
-        rc = T.match_buffer(rc_h, (B, H, NC, dk), F32)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), acc)
+        dr = T.match_buffer(dr_h, (B, H, NC, dk), acc)
+        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
+        C = T.match_buffer(C_h, (B, H, dk, dv), acc)
+        m = T.match_buffer(m_h, (B, H, dk), acc)
+        G = T.match_buffer(G_h, (B, H, dk, dv), acc)
+        h = T.match_buffer(h_h, (B, H, dk), acc)
+        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
+        rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
         for bh in T.parallel(B * H):
-            X = T.alloc_buffer((dk, dv), F32)
-            r = T.alloc_buffer((dk,), F32)
+            X = T.alloc_buffer((dk, dv), acc)
+            r = T.alloc_buffer((dk,), acc)
             # X = S C - G, r = S m - h
             for i in T.serial(dk):
                 for j in T.vectorized(dv):
@@ -277,12 +261,12 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("SS", [i, j])
-                        X[vi, vj] = T.float32(0) - G[vb, vh, vi, vj]
+                        X[vi, vj] = _c(0) - G[vb, vh, vi, vj]
                 with T.sblock("r0_init"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vi = T.axis.spatial(dk, i)
-                    r[vi] = T.float32(0) - h[vb, vh, vi]
+                    r[vi] = _c(0) - h[vb, vh, vi]
                 for l in T.serial(dk):
                     for j in T.vectorized(dv):
                         with T.sblock("X0"):
@@ -309,14 +293,14 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
                             vb = T.axis.spatial(B, bh // H)
                             vh = T.axis.spatial(H, bh % H)
                             vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                            Xc[vb, vh, vc, vi, vj] = T.float32(msk) * X[vi, vj] \
-                                + T.float32(lam * msk + 1.0 - msk) * C[vb, vh, vi, vj]
+                            Xc[vb, vh, vc, vi, vj] = _c(msk) * X[vi, vj] \
+                                + _c(lam * msk + 1.0 - msk) * C[vb, vh, vi, vj]
                     with T.sblock("rc"):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vc, vi = T.axis.remap("SS", [c, i])
-                        rc[vb, vh, vc, vi] = T.float32(msk) * r[vi] \
-                            + T.float32(lam * msk + 1.0 - msk) * m[vb, vh, vi]
+                        rc[vb, vh, vc, vi] = _c(msk) * r[vi] \
+                            + _c(lam * msk + 1.0 - msk) * m[vb, vh, vi]
                 # X += S dC + dX, r += S dm + dr
                 for i in T.serial(dk):
                     for j in T.vectorized(dv):
@@ -368,12 +352,12 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
                         vb = T.axis.spatial(B, bh // H)
                         vh = T.axis.spatial(H, bh % H)
                         vi, vj = T.axis.remap("SS", [i, j])
-                        G[vb, vh, vi, vj] = T.float32(0) - X[vi, vj]
+                        G[vb, vh, vi, vj] = _c(0) - X[vi, vj]
                 with T.sblock("h_init"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vi = T.axis.spatial(dk, i)
-                    h[vb, vh, vi] = T.float32(0) - r[vi]
+                    h[vb, vh, vi] = _c(0) - r[vi]
                 for l in T.serial(dk):
                     for j in T.vectorized(dv):
                         with T.sblock("G"):
@@ -390,13 +374,15 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0):
     return hla2_chunk_carry.with_attr(PRESCHEDULED, True)
 
 
-def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0):
+def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, dtype="float32"):
     """Outputs of every chunk from its recorded readout (Sc, Xc, rc of `chunk_carry`):
         masked:   Z = Q (Sc + lI),          M = ((Z Q^T) + (W W^T)) * L,  num = Q Xc + M V
         unmasked: Z = Q (Sc + lI) + W K,    M = (Z Q^T) * L,             num = Z Xc + M V
     W = L * (Q K^T) chunk-local; o = num, or num / (Q rc + M 1 + eps) (Z rc when unmasked).
     Shapes: q, k [B, H, T, dk], v [B, H, T, dv], Sc [B, H, NC, dk, dk], Xc [B, H, NC, dk, dv],
     rc [B, H, NC, dk], o [B, H, T, dv]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
 
     @T.prim_func(s_tir=True)
@@ -406,30 +392,30 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         H = T.int64()
         L = T.int64()
         NC = T.int64()
-        q = T.match_buffer(q_h, (B, H, L, dk), F32)
-        k = T.match_buffer(k_h, (B, H, L, dk), F32)
-        v = T.match_buffer(v_h, (B, H, L, dv), F32)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), F32)
-        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), F32)
-        rc = T.match_buffer(rc_h, (B, H, NC, dk), F32)
-        o = T.match_buffer(o_h, (B, H, L, dv), F32)
-        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
-        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), F32)
-        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
-        W0 = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        W = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        WT = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        Z = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        ZW = T.sblock_alloc_buffer((B, H, NC, n, dk), F32)
-        ZQ = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        ZQW = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        M = T.sblock_alloc_buffer((B, H, NC, n, n), F32)
-        numA = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
-        num = T.sblock_alloc_buffer((B, H, NC, n, dv), F32)
-        denA = T.sblock_alloc_buffer((B, H, NC, n), F32)
-        den = T.sblock_alloc_buffer((B, H, NC, n), F32)
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
+        rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
+        o = T.match_buffer(o_h, (B, H, L, dv), io)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        W0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        W = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        WT = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        Z = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        ZW = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        ZQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        ZQW = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        numA = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        num = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        denA = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
@@ -440,12 +426,12 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
             for t, s in T.grid(n, n):
                 with T.sblock("W"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                    W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], T.float32(0))
+                    W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], _c(0))
             for t, i, l in T.grid(n, dk, dk):
                 with T.sblock("Z"):
                     vb, vh, vc, vt, vi, vl = T.axis.remap("SSSSSR", [b, hh, c, t, i, l])
                     with T.init():
-                        Z[vb, vh, vc, vt, vi] = T.float32(lam) * Qc[vb, vh, vc, vt, vi]
+                        Z[vb, vh, vc, vt, vi] = _c(lam) * Qc[vb, vh, vc, vt, vi]
                     Z[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi] \
                         + Qc[vb, vh, vc, vt, vl] * Sc[vb, vh, vc, vl, vi]
             if not masked:
@@ -460,7 +446,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                 for t, s in T.grid(n, n):
                     with T.sblock("M"):
                         vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQ[vb, vh, vc, vt, vs], T.float32(0))
+                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQ[vb, vh, vc, vt, vs], _c(0))
             else:
                 _matmul(ZQ, Z, QT, b, hh, c, n, n, dk, False, "ZQ")
                 for j, s in T.grid(n, n):
@@ -477,12 +463,12 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                 for t, s in T.grid(n, n):
                     with T.sblock("M"):
                         vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQW[vb, vh, vc, vt, vs], T.float32(0))
+                        M[vb, vh, vc, vt, vs] = T.Select(vs <= vt, ZQW[vb, vh, vc, vt, vs], _c(0))
             for t, x, i in T.grid(n, dv, dk):
                 with T.sblock("numA"):
                     vb, vh, vc, vt, vx, vi = T.axis.remap("SSSSSR", [b, hh, c, t, x, i])
                     with T.init():
-                        numA[vb, vh, vc, vt, vx] = T.float32(0)
+                        numA[vb, vh, vc, vt, vx] = _c(0)
                     if masked:
                         numA[vb, vh, vc, vt, vx] = numA[vb, vh, vc, vt, vx] \
                             + Qc[vb, vh, vc, vt, vi] * Xc[vb, vh, vc, vi, vx]
@@ -501,7 +487,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     with T.sblock("denA"):
                         vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
                         with T.init():
-                            denA[vb, vh, vc, vt] = T.float32(eps)
+                            denA[vb, vh, vc, vt] = _c(eps)
                         if masked:
                             denA[vb, vh, vc, vt] = denA[vb, vh, vc, vt] \
                                 + QT[vb, vh, vc, vi, vt] * rc[vb, vh, vc, vi]
@@ -519,8 +505,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
                     T.where(c * n + t < L)
                     if normalize:
-                        o[vb, vh, vc * n + vt, vx] = num[vb, vh, vc, vt, vx] / den[vb, vh, vc, vt]
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, num[vb, vh, vc, vt, vx] / den[vb, vh, vc, vt])
                     else:
-                        o[vb, vh, vc * n + vt, vx] = num[vb, vh, vc, vt, vx]
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, num[vb, vh, vc, vt, vx])
 
     return hla2_chunk_output

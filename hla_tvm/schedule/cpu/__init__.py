@@ -2,7 +2,7 @@
 from .parallel_outer import parallel_outer
 from .vectorize_inner import vectorize_inner
 
-from ...kernels.hla2 import PRESCHEDULED
+from ...kernels._tir import PRESCHEDULED
 
 RULES = (parallel_outer, vectorize_inner)
 
