@@ -60,19 +60,19 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
     else:
         _tvm_not_yet(op, grouped=Hkv != H, decay=decay, device=q.device)
-        out, new_state = _tvm(q, k, v, state, mask, target, chunk_size, opts)
+        out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts)
     return (out, new_state) if return_state else out
 
 
 def _tvm_not_yet(op, *, grouped, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if op.name != "hla2":
-        missing.append({"ahla": "asymmetric=True", "hla3": "order=3"}[op.name])
+    if op.name == "hla3":
+        missing.append("order=3")
     if grouped:
         missing.append("grouped key/value heads (k, v with fewer heads than q)")
-    if decay is not None:
-        missing.append("decay")
+    if decay is not None and op.name == "hla2":
+        missing.append("decay with order=2, asymmetric=False")
     if device.type != "cpu":
         missing.append(f"device {device} (CPU tensors only for now)")
     if missing:
@@ -119,21 +119,29 @@ def _serial_with_padding(op, q, k, v, st, decay, mask, opts):
     return torch.stack(outs, 2), st
 
 
-def _tvm(q, k, v, state, mask, target, chunk_size, opts):
+def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
     from . import backend as tvm_backend
-    from .reference import hla2
+    from .reference._common import gamma
     from .target import resolve
 
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     if mask is not None:  # zero tokens leave the (undecayed) state unchanged and output zero
+        if decay is not None:
+            raise NotImplementedError("backend='tvm' does not support yet: attention_mask "
+                                      "together with decay (backend='torch' does)")
         keep = mask[:, None, :, None].to(q.dtype)
         q, k, v = q * keep, k * keep, v * keep
     acc = tvm_backend.accum_dtype(q.dtype)
     if state is None:
-        st = hla2.zero_state(B, H, dk, dv, acc)
+        st = op.ref.zero_state(B, H, dk, dv, acc)
     else:  # a private copy in the accumulation dtype: the kernels update it in place
         st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
-    out = tvm_backend.run(q.contiguous(), k.contiguous(), v.contiguous(), st,
-                          chunk_size=chunk_size, target=resolve(target), **opts)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if op.name == "hla2":
+        out = tvm_backend.run(q, k, v, st, chunk_size=chunk_size, target=resolve(target), **opts)
+    else:
+        g = gamma(decay, q.to(acc))[0].contiguous()
+        out = tvm_backend.run_ahla(q, k, v, g, st, chunk_size=chunk_size, target=resolve(target),
+                                   **opts)
     return out, st

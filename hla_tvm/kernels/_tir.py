@@ -62,3 +62,43 @@ def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name):
             else:
                 dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
                     + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
+
+
+def gpow(lg, x, dtype):
+    """gamma^x as exp(x log gamma) (exactly 1 for gamma = 1)."""
+    return T.exp(lg * T.Cast(dtype, x))
+
+
+def chunk_len(c, n, L):
+    """Rows of chunk c: n, or fewer for the last chunk."""
+    return T.min(T.int64(n), L - c * n)
+
+
+def chunk_scan(width: int, dtype="float32"):
+    """Sequential scan over chunks of an element-wise linear recurrence, state X [B, H, width]
+    updated in place:  Xc[c] = X;  X = gl[c] X + dX[c]   (gl: the chunk's decay gamma^len).
+
+    Every HLA state that is not a plain prefix sum advances this way once its cross-term
+    increments dX are known, so the sequential work of a prefill is element-wise only."""
+    acc = accum_dtype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def scan(X_h: T.handle, dX_h: T.handle, gl_h: T.handle, Xc_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        NC = T.int64()
+        X = T.match_buffer(X_h, (B, H, width), acc)
+        dX = T.match_buffer(dX_h, (B, H, NC, width), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
+        for bh in T.parallel(B * H):
+            for c in T.serial(NC):
+                for i in T.vectorized(width):
+                    with T.sblock("scan"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vc, vi = T.axis.remap("SS", [c, i])
+                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
+                        X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
+
+    return scan.with_attr(PRESCHEDULED, True)

@@ -1,0 +1,317 @@
+"""Asymmetric HLA (AHLA) as TensorIR; mirrors `hla_tvm.reference.ahla` (decay always on: pass
+gamma = 1 for none). State (P, m, E, n); chunk form, local t = 1..len, A = L * (Q K^T),
+Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s), R = K^T Q:
+
+    chunk_summary  R, dP = K^T (tail V), dm = K^T tail, dE = K^T (A (tail V)), dn = K^T (A tail),
+                   gl = g^len                                                   (parallel)
+    chunk_scan     P, m: record Pc, mc, advance                                  (sequential)
+    chunk_cross    ddE = gl R Pc + dE,  ddn = gl R mc + dn                       (parallel)
+    chunk_scan     E, n with ddE, ddn: record Ec, nc, advance                   (sequential)
+    chunk_output   O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V           (parallel)
+                   [/ (g^t (Q nc + (A Q) mc) + ((A A) * Gamma) 1 + eps)]
+    decode         one token in place: P = gP + k v^T, m = gm + k, E = gE + k (q^T P),
+                   n = gn + k (q^T m), o = q^T E [/ (q^T n + eps)]
+"""
+from __future__ import annotations
+
+import functools
+
+from tvm.script import tirx as T
+
+from ._tir import PRESCHEDULED, accum_dtype, chunk_len, const, gpow, matmul as _matmul, \
+    stage as _stage, transpose as _transpose
+
+
+def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
+    """One token, state (P, m, E, n) [B, H, ...] updated in place; gamma [H]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def ahla_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, P_h: T.handle,
+                    m_h: T.handle, E_h: T.handle, n_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        q = T.match_buffer(q_h, (B, H, 1, dk), io)
+        k = T.match_buffer(k_h, (B, H, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        P = T.match_buffer(P_h, (B, H, dk, dv), acc)
+        m = T.match_buffer(m_h, (B, H, dk), acc)
+        E = T.match_buffer(E_h, (B, H, dk, dv), acc)
+        n = T.match_buffer(n_h, (B, H, dk), acc)
+        o = T.match_buffer(o_h, (B, H, 1, dv), io)
+        for bh in T.parallel(B * H):
+            qa = T.alloc_buffer((dk,), acc)
+            ka = T.alloc_buffer((dk,), acc)
+            va = T.alloc_buffer((dv,), acc)
+            qP = T.alloc_buffer((dv,), acc)
+            num = T.alloc_buffer((dv,), acc)
+            sc = T.alloc_buffer((2,), acc)  # q.m, q^T n + eps
+            for i in T.vectorized(dk):
+                with T.sblock("qk"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
+                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
+            for j in T.vectorized(dv):
+                with T.sblock("va"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
+                    qP[vj] = _c(0)
+                    num[vj] = _c(0)
+            with T.sblock("sc0"):
+                sc[0] = _c(0)
+                sc[1] = _c(eps)
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("P"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        P[vb, vh, vi, vj] = g[vh] * P[vb, vh, vi, vj] + ka[vi] * va[vj]
+                        qP[vj] = qP[vj] + qa[vi] * P[vb, vh, vi, vj]
+                with T.sblock("m"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    m[vb, vh, vi] = g[vh] * m[vb, vh, vi] + ka[vi]
+                    sc[0] = sc[0] + qa[vi] * m[vb, vh, vi]
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("E"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        E[vb, vh, vi, vj] = g[vh] * E[vb, vh, vi, vj] + ka[vi] * qP[vj]
+                        num[vj] = num[vj] + qa[vi] * E[vb, vh, vi, vj]
+                with T.sblock("n"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    n[vb, vh, vi] = g[vh] * n[vb, vh, vi] + ka[vi] * sc[0]
+                    sc[1] = sc[1] + qa[vi] * n[vb, vh, vi]
+            for j in T.vectorized(dv):
+                with T.sblock("o"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    if normalize:
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / sc[1])
+                    else:
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
+
+    return ahla_decode.with_attr(PRESCHEDULED, True)
+
+
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+    """Per chunk: R = K^T Q, dP = K^T (tail V), dm = K^T tail, dE = K^T (A (tail V)),
+    dn = K^T (A tail), gl = g^len. Shapes: R [B, H, NC, dk, dk], dP, dE [B, H, NC, dk, dv],
+    dm, dn [B, H, NC, dk], gl [B, H, NC]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def ahla_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                           R_h: T.handle, dP_h: T.handle, dm_h: T.handle, dE_h: T.handle,
+                           dn_h: T.handle, gl_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
+        dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
+        dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        A0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        AV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        At = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            for s in T.serial(n):
+                with T.sblock("tail"):
+                    vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
+                    tail[vb, vh, vc, vs] = T.Select(
+                        T.Cast("int64", vs) < chunk_len(vc, n, L),
+                        gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1 - T.Cast("int64", vs), acc),
+                        _c(0))
+            with T.sblock("gl"):
+                vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
+                gl[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L), acc)
+            for s, x in T.grid(n, dv):
+                with T.sblock("Vt"):
+                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
+                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _matmul(R, Kc, Qc, b, hh, c, dk, dk, n, True, "R")
+            _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
+            for i, s in T.grid(dk, n):
+                with T.sblock("dm"):
+                    vb, vh, vc, vi, vs = T.axis.remap("SSSSR", [b, hh, c, i, s])
+                    with T.init():
+                        dm[vb, vh, vc, vi] = _c(0)
+                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vs] * tail[vb, vh, vc, vs]
+            _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
+            for t, s in T.grid(n, n):
+                with T.sblock("A"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
+            _matmul(AV, A, Vt, b, hh, c, n, dv, n, False, "AV")
+            _matmul(dE, Kc, AV, b, hh, c, dk, dv, n, True, "dE")
+            for t, s in T.grid(n, n):
+                with T.sblock("At"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSR", [b, hh, c, t, s])
+                    with T.init():
+                        At[vb, vh, vc, vt] = _c(0)
+                    At[vb, vh, vc, vt] = At[vb, vh, vc, vt] + A[vb, vh, vc, vt, vs] * tail[vb, vh, vc, vs]
+            for i, t in T.grid(dk, n):
+                with T.sblock("dn"):
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
+                    with T.init():
+                        dn[vb, vh, vc, vi] = _c(0)
+                    dn[vb, vh, vc, vi] = dn[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vt] * At[vb, vh, vc, vt]
+
+    return ahla_chunk_summary
+
+
+def chunk_cross(dk: int, dv: int, *, dtype="float32"):
+    """Cross-term increments of E and n per chunk: ddE = gl R Pc + dE, ddn = gl R mc + dn."""
+    acc = accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def ahla_chunk_cross(R_h: T.handle, Pc_h: T.handle, mc_h: T.handle, dE_h: T.handle,
+                         dn_h: T.handle, gl_h: T.handle, ddE_h: T.handle, ddn_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        NC = T.int64()
+        R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
+        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
+        dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        ddE = T.match_buffer(ddE_h, (B, H, NC, dk, dv), acc)
+        ddn = T.match_buffer(ddn_h, (B, H, NC, dk), acc)
+        RP = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
+        Rm = T.sblock_alloc_buffer((B, H, NC, dk), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _matmul(RP, R, Pc, b, hh, c, dk, dv, dk, False, "RP")
+            for i, j in T.grid(dk, dv):
+                with T.sblock("ddE"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
+                    ddE[vb, vh, vc, vi, vj] = gl[vb, vh, vc] * RP[vb, vh, vc, vi, vj] + dE[vb, vh, vc, vi, vj]
+            for i, j in T.grid(dk, dk):
+                with T.sblock("Rm"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
+                    with T.init():
+                        Rm[vb, vh, vc, vi] = _c(0)
+                    Rm[vb, vh, vc, vi] = Rm[vb, vh, vc, vi] + R[vb, vh, vc, vi, vj] * mc[vb, vh, vc, vj]
+            for i in T.serial(dk):
+                with T.sblock("ddn"):
+                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, hh, c, i])
+                    ddn[vb, vh, vc, vi] = gl[vb, vh, vc] * Rm[vb, vh, vc, vi] + dn[vb, vh, vc, vi]
+
+    return ahla_chunk_cross
+
+
+def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32"):
+    """O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V  [/ (g^t (Q nc + (A Q) mc)
+    + ((A A) * Gamma) 1 + eps)] per chunk; Ec, Pc [B, H, NC, dk, dv], nc, mc [B, H, NC, dk]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def ahla_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                          Ec_h: T.handle, Pc_h: T.handle, nc_h: T.handle, mc_h: T.handle,
+                          o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        Ec = T.match_buffer(Ec_h, (B, H, NC, dk, dv), acc)
+        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
+        nc = T.match_buffer(nc_h, (B, H, NC, dk), acc)
+        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        o = T.match_buffer(o_h, (B, H, L, dv), io)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        A0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        AQ = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        AA = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        QE = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        AQP = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        den = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
+            for t, s in T.grid(n, n):
+                with T.sblock("A"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
+            _matmul(AQ, A, Qc, b, hh, c, n, dk, n, False, "AQ")
+            _matmul(AA, A, A, b, hh, c, n, n, n, False, "AA")
+            for t, s in T.grid(n, n):
+                with T.sblock("M"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    M[vb, vh, vc, vt, vs] = T.Select(
+                        vs <= vt, AA[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
+            _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
+            _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP")
+            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV")
+            if normalize:
+                for t, i in T.grid(n, dk + n):
+                    with T.sblock("den"):
+                        vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
+                        with T.init():
+                            den[vb, vh, vc, vt] = _c(0)
+                        den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
+                            vi < dk,
+                            gpow(T.log(g[vh]), vt + 1, acc) * (
+                                Qc[vb, vh, vc, vt, T.min(vi, dk - 1)] * nc[vb, vh, vc, T.min(vi, dk - 1)]
+                                + AQ[vb, vh, vc, vt, T.min(vi, dk - 1)] * mc[vb, vh, vc, T.min(vi, dk - 1)]),
+                            M[vb, vh, vc, vt, T.max(vi - dk, 0)])
+            for t, x in T.grid(n, dv):
+                with T.sblock("o"):
+                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
+                    T.where(c * n + t < L)
+                    if normalize:
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
+                            gpow(T.log(g[vh]), vt + 1, acc) * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
+                            + MV[vb, vh, vc, vt, vx]) / (den[vb, vh, vc, vt] + _c(eps)))
+                    else:
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
+                            gpow(T.log(g[vh]), vt + 1, acc) * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
+                            + MV[vb, vh, vc, vt, vx]))
+
+    return ahla_chunk_output
