@@ -67,8 +67,6 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
 def _tvm_not_yet(op, *, grouped, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if op.name == "hla3":
-        missing.append("order=3")
     if grouped:
         missing.append("grouped key/value heads (k, v with fewer heads than q)")
     if decay is not None and op.name == "hla2":
@@ -142,6 +140,6 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
         out = tvm_backend.run(q, k, v, st, chunk_size=chunk_size, target=resolve(target), **opts)
     else:
         g = gamma(decay, q.to(acc))[0].contiguous()
-        out = tvm_backend.run_ahla(q, k, v, g, st, chunk_size=chunk_size, target=resolve(target),
-                                   **opts)
+        out = tvm_backend.run_scan_family(op.name, q, k, v, g, st, chunk_size=chunk_size,
+                                          target=resolve(target), **opts)
     return out, st

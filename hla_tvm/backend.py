@@ -1,7 +1,8 @@
 """Running HLA operators through the compiled TensorIR kernels (torch tensors in and out).
 
 hla2 prefill:  chunk_summary -> chunk_carry (in place on the state) -> chunk_output
-ahla prefill:  chunk_summary -> scans of P, m -> chunk_cross -> scans of E, n -> chunk_output
+ahla, hla3:    chunk_summary -> scans of the prefix sums -> chunk_cross -> scans of the
+               cross-term states -> chunk_output
 decode:        one in-place state update and readout
 The state is the reference's dict (S, C, m, G, h) in the accumulation dtype (float32 for float16,
 bfloat16 and float32 inputs, float64 for float64); outputs come in the input dtype."""
@@ -12,7 +13,7 @@ import math
 import torch
 
 from . import build
-from .kernels import _tir, ahla
+from .kernels import _tir, ahla, hla3
 from .kernels import hla2 as K
 
 
@@ -72,49 +73,81 @@ def _scans(widths, dtype):
     return {f"chunk_scan_w{w}": _tir.chunk_scan(w, dtype=dtype) for w in widths}
 
 
-def ahla_prefill_module(dk, dv, chunk_size, target, *, normalize, eps, dtype):
-    spec = {"kind": "ahla_prefill", "dk": dk, "dv": dv, "chunk": chunk_size,
+SCAN_FAMILY = {"ahla": ahla, "hla3": hla3}  # summary -> scans -> cross -> scans -> output
+
+
+def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, normalize, eps, dtype):
+    """chunk_summary, chunk_cross, chunk_output and the chunk scans of operator `name`."""
+    kmod = SCAN_FAMILY[name]
+    spec = {"kind": f"{name}_prefill", "dk": dk, "dv": dv, "chunk": chunk_size,
             "normalize": normalize, "eps": eps, "dtype": dtype}
     return build.load_or_build(spec, lambda: {
-        "ahla_chunk_summary": ahla.chunk_summary(dk, dv, chunk_size, dtype=dtype),
-        "ahla_chunk_cross": ahla.chunk_cross(dk, dv, dtype=dtype),
-        "ahla_chunk_output": ahla.chunk_output(dk, dv, chunk_size, normalize=normalize, eps=eps,
-                                               dtype=dtype),
-        **_scans({dk * dv, dk}, dtype),
+        f"{name}_chunk_summary": kmod.chunk_summary(dk, dv, chunk_size, dtype=dtype),
+        f"{name}_chunk_cross": kmod.chunk_cross(dk, dv, dtype=dtype),
+        f"{name}_chunk_output": kmod.chunk_output(dk, dv, chunk_size, normalize=normalize,
+                                                  eps=eps, dtype=dtype),
+        **_scans({dk * dk, dk * dv, dk}, dtype),
     }, target)
 
 
-def ahla_decode_module(dk, dv, target, *, normalize, eps, dtype):
-    spec = {"kind": "ahla_decode", "dk": dk, "dv": dv, "normalize": normalize, "eps": eps,
+def scan_family_decode_module(name, dk, dv, target, *, normalize, eps, dtype):
+    spec = {"kind": f"{name}_decode", "dk": dk, "dv": dv, "normalize": normalize, "eps": eps,
             "dtype": dtype}
     return build.load_or_build(spec, lambda: {
-        "ahla_decode": ahla.decode(dk, dv, normalize=normalize, eps=eps, dtype=dtype)}, target)
+        f"{name}_decode": SCAN_FAMILY[name].decode(dk, dv, normalize=normalize, eps=eps,
+                                                   dtype=dtype)}, target)
 
 
-def run_ahla(q, k, v, gamma, state, *, chunk_size, target, normalize, eps):
-    """AHLA outputs for contiguous q, k, v; gamma [H] (ones for no decay) in the accumulation
-    dtype; `state` (P, m, E, n) advanced in place."""
+class _Chunks:
+    """Scratch tensors [B, H, NC, ...] in the accumulation dtype and the scan calls."""
+
+    def __init__(self, mod, B, H, nc, dtype):
+        self.mod, self.B, self.H, self.nc, self.dtype = mod, B, H, nc, dtype
+
+    def empty(self, *shape):
+        return torch.empty(self.B, self.H, self.nc, *shape, dtype=self.dtype)
+
+    def scan(self, state, delta, gl):
+        """Advance `state` in place by the per-chunk increments; returns its value per chunk."""
+        B, H, nc = self.B, self.H, self.nc
+        record = torch.empty_like(delta)
+        self.mod[f"chunk_scan_w{delta[0, 0, 0].numel()}"](
+            state.view(B, H, -1), delta.view(B, H, nc, -1), gl, record.view(B, H, nc, -1))
+        return record
+
+
+def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, normalize, eps):
+    """AHLA or third-order outputs for contiguous q, k, v; gamma [H] (ones for no decay) in the
+    accumulation dtype; `state` (reference names) advanced in place."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     opts = {"normalize": bool(normalize), "eps": float(eps), "dtype": TORCH_DTYPES[q.dtype]}
-    acc = accum_dtype(q.dtype)
     out = torch.empty(B, H, T, dv, dtype=q.dtype)
-    P, m, E, n = (state[x] for x in ("P", "m", "E", "n"))
+    st = [state[x] for x in {"ahla": ("P", "m", "E", "n"), "hla3": ("S", "P", "m", "F", "eta")}[name]]
     if T == 1:
-        ahla_decode_module(dk, dv, target, **opts)["ahla_decode"](q, k, v, gamma, P, m, E, n, out)
+        mod = scan_family_decode_module(name, dk, dv, target, **opts)
+        mod[f"{name}_decode"](q, k, v, gamma, *st, out)
         return out
-    mod = ahla_prefill_module(dk, dv, chunk_size, target, **opts)
-    nc = math.ceil(T / chunk_size)
-    e = lambda *shape: torch.empty(B, H, nc, *shape, dtype=acc)  # noqa: E731
-    R, dP, dm, dE, dn, gl = e(dk, dk), e(dk, dv), e(dk), e(dk, dv), e(dk), e()
-    mod["ahla_chunk_summary"](q, k, v, gamma, R, dP, dm, dE, dn, gl)
-    scan_mat, scan_vec = mod[f"chunk_scan_w{dk * dv}"], mod[f"chunk_scan_w{dk}"]
-    flat, flat_c = (lambda x: x.view(B, H, -1)), (lambda x: x.view(B, H, nc, -1))
-    Pc, mc, Ec, ncs = e(dk, dv), e(dk), e(dk, dv), e(dk)
-    scan_mat(flat(P), flat_c(dP), gl, flat_c(Pc))
-    scan_vec(m, dm, gl, mc)
-    mod["ahla_chunk_cross"](R, Pc, mc, dE, dn, gl, dP, dm)      # dP, dm now hold ddE, ddn
-    scan_mat(flat(E), flat_c(dP), gl, flat_c(Ec))
-    scan_vec(n, dm, gl, ncs)
-    mod["ahla_chunk_output"](q, k, v, gamma, Ec, Pc, ncs, mc, out)
+    mod = scan_family_prefill_module(name, dk, dv, chunk_size, target, **opts)
+    ch = _Chunks(mod, B, H, math.ceil(T / chunk_size), accum_dtype(q.dtype))
+    kk, kv, vec = (dk, dk), (dk, dv), (dk,)
+    if name == "ahla":
+        P, m, E, n = st
+        R, dP, dm, dE, dn, gl = ch.empty(*kk), ch.empty(*kv), ch.empty(*vec), ch.empty(*kv), \
+            ch.empty(*vec), ch.empty()
+        mod["ahla_chunk_summary"](q, k, v, gamma, R, dP, dm, dE, dn, gl)
+        Pc, mc = ch.scan(P, dP, gl), ch.scan(m, dm, gl)
+        mod["ahla_chunk_cross"](R, Pc, mc, dE, dn, gl, dP, dm)   # dP, dm now hold ddE, ddn
+        Ec, nc = ch.scan(E, dP, gl), ch.scan(n, dm, gl)
+        mod["ahla_chunk_output"](q, k, v, gamma, Ec, Pc, nc, mc, out)
+    else:
+        S, P, m, F, eta = st
+        dS, dP, dm, A1, A2, a2, A3, A4, a4, gl = (
+            ch.empty(*kk), ch.empty(*kv), ch.empty(*vec), ch.empty(*kk), ch.empty(*kv),
+            ch.empty(*vec), ch.empty(*kk), ch.empty(*kv), ch.empty(*vec), ch.empty())
+        mod["hla3_chunk_summary"](q, k, v, gamma, dS, dP, dm, A1, A2, a2, A3, A4, a4, gl)
+        Sc, Pc, mc = ch.scan(S, dS, gl), ch.scan(P, dP, gl), ch.scan(m, dm, gl)
+        mod["hla3_chunk_cross"](Sc, Pc, mc, A1, A2, a2, A3, A4, a4, gl, dP, dm)  # ddF, ddeta
+        Fc, etac = ch.scan(F, dP, gl), ch.scan(eta, dm, gl)
+        mod["hla3_chunk_output"](q, k, v, gamma, Sc, Pc, mc, Fc, etac, out)
     return out

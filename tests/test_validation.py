@@ -76,7 +76,6 @@ def test_bad_state():
 
 
 @pytest.mark.parametrize("kwargs, dtype, match", [
-    (dict(order=3), torch.float32, "order=3"),
     (dict(decay=0.9), torch.float32, "decay with order=2"),
 ])
 def test_not_yet_implemented_options_name_the_option(kwargs, dtype, match):
