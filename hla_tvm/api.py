@@ -53,22 +53,42 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     if state is not None:
         validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
                        f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
+    group = H // Hkv
+    if group > 1 and isinstance(decay, torch.Tensor) and \
+            not bool((decay.view(Hkv, group) == decay.view(Hkv, group)[:, :1]).all()):
+        raise ValueError("with grouped key/value heads the decay must be equal within each "
+                         "group of query heads that share a key/value head (their key moment "
+                         "is stored once)")
     opts = dict(normalize=normalize, eps=eps)
     if op.has_mask_ridge:
         opts.update(masked=masked, ridge=ridge)
+    if backend == "tvm":
+        _tvm_not_yet(op, decay=decay, device=q.device)
+    k, v, state = _expand_groups(op, k, v, state, group)
     if backend == "torch":
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
     else:
-        _tvm_not_yet(op, grouped=Hkv != H, decay=decay, device=q.device)
         out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts)
+    if group > 1:
+        new_state = {n: (x[:, ::group].contiguous() if n in op.kv_state else x)
+                     for n, x in new_state.items()}
     return (out, new_state) if return_state else out
 
 
-def _tvm_not_yet(op, *, grouped, decay, device):
+def _expand_groups(op, k, v, state, group):
+    """Grouped key/value heads run as repeated heads; the state entries built from k, v alone
+    are stored once per key/value head and repeated here for the query heads."""
+    if group == 1:
+        return k, v, state
+    if state is not None:
+        state = {n: (x.repeat_interleave(group, 1) if n in op.kv_state else x)
+                 for n, x in state.items()}
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), state
+
+
+def _tvm_not_yet(op, *, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if grouped:
-        missing.append("grouped key/value heads (k, v with fewer heads than q)")
     if decay is not None and op.name == "hla2":
         missing.append("decay with order=2, asymmetric=False")
     if device.type != "cpu":
@@ -80,17 +100,10 @@ def _tvm_not_yet(op, *, grouped, decay, device):
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     """The reference: chunk form (serial where padding meets decay), in float64 for float64
-    input and float32 otherwise; key/value heads are repeated for grouped attention."""
-    H, Hkv = q.shape[1], k.shape[1]
-    group = H // Hkv
+    input and float32 otherwise."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     qw, kw, vw = (x.to(work) for x in (q, k, v))
-    if group > 1:
-        kw, vw = kw.repeat_interleave(group, 1), vw.repeat_interleave(group, 1)
-    st = None
-    if state is not None:
-        st = {n: (x.repeat_interleave(group, 1) if n in op.kv_state else x).to(work)
-              for n, x in state.items()}
+    st = None if state is None else {n: x.to(work) for n, x in state.items()}
     if mask is not None and decay is not None:
         out, st = _serial_with_padding(op, qw, kw, vw, st, decay, mask, opts)
     else:
@@ -98,8 +111,6 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
             keep = mask[:, None, :, None].to(work)
             qw, kw, vw = qw * keep, kw * keep, vw * keep
         out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
-    if group > 1:
-        st = {n: (x[:, ::group] if n in op.kv_state else x) for n, x in st.items()}
     return out.to(q.dtype), st
 
 

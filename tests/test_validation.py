@@ -83,10 +83,10 @@ def test_not_yet_implemented_options_name_the_option(kwargs, dtype, match):
         hla(*qkv(dtype=dtype), **kwargs)
 
 
-def test_grouped_heads_not_yet():
+def test_grouped_heads_need_equal_decay_within_a_group():
     q, k, v = qkv(H=4)
-    with pytest.raises(NotImplementedError, match="grouped key/value heads"):
-        hla(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match="equal within each group"):
+        hla(q, k[:, :2], v[:, :2], backend="torch", decay=torch.tensor([0.9, 0.8, 0.7, 0.7]))
 
 
 def test_torch_backend_runs_decay_and_half():
