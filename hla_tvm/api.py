@@ -89,8 +89,6 @@ def _expand_groups(op, k, v, state, group):
 def _tvm_not_yet(op, *, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if decay is not None and op.name == "hla2":
-        missing.append("decay with order=2, asymmetric=False")
     if device.type != "cpu":
         missing.append(f"device {device} (CPU tensors only for now)")
     if missing:
@@ -147,10 +145,11 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
     else:  # a private copy in the accumulation dtype: the kernels update it in place
         st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if op.name == "hla2":
+    if op.name == "hla2" and decay is None:
         out = tvm_backend.run(q, k, v, st, chunk_size=chunk_size, target=resolve(target), **opts)
     else:
         g = gamma(decay, q.to(acc))[0].contiguous()
-        out = tvm_backend.run_scan_family(op.name, q, k, v, g, st, chunk_size=chunk_size,
+        name = "hla2d" if op.name == "hla2" else op.name
+        out = tvm_backend.run_scan_family(name, q, k, v, g, st, chunk_size=chunk_size,
                                           target=resolve(target), **opts)
     return out, st

@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import build
-from .kernels import _tir, ahla, hla3
+from .kernels import _tir, ahla, hla2_decay, hla3
 from .kernels import hla2 as K
 
 
@@ -73,29 +73,30 @@ def _scans(widths, dtype):
     return {f"chunk_scan_w{w}": _tir.chunk_scan(w, dtype=dtype) for w in widths}
 
 
-SCAN_FAMILY = {"ahla": ahla, "hla3": hla3}  # summary -> scans -> cross -> scans -> output
+# summary -> scans -> cross -> scans -> output; "hla2d" is second order with decay
+SCAN_FAMILY = {"ahla": ahla, "hla3": hla3, "hla2d": hla2_decay}
+STATE_ORDER = {"ahla": ("P", "m", "E", "n"), "hla3": ("S", "P", "m", "F", "eta"),
+               "hla2d": ("S", "C", "m", "G", "h")}
 
 
-def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, normalize, eps, dtype):
-    """chunk_summary, chunk_cross, chunk_output and the chunk scans of operator `name`."""
+def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, dtype, **opts):
+    """chunk_summary, chunk_cross, chunk_output and the chunk scans of operator `name`;
+    opts (normalize, eps and, for hla2d, masked and ridge) shape the output kernel."""
     kmod = SCAN_FAMILY[name]
-    spec = {"kind": f"{name}_prefill", "dk": dk, "dv": dv, "chunk": chunk_size,
-            "normalize": normalize, "eps": eps, "dtype": dtype}
+    spec = {"kind": f"{name}_prefill", "dk": dk, "dv": dv, "chunk": chunk_size, "dtype": dtype,
+            **opts}
     return build.load_or_build(spec, lambda: {
         f"{name}_chunk_summary": kmod.chunk_summary(dk, dv, chunk_size, dtype=dtype),
         f"{name}_chunk_cross": kmod.chunk_cross(dk, dv, dtype=dtype),
-        f"{name}_chunk_output": kmod.chunk_output(dk, dv, chunk_size, normalize=normalize,
-                                                  eps=eps, dtype=dtype),
+        f"{name}_chunk_output": kmod.chunk_output(dk, dv, chunk_size, dtype=dtype, **opts),
         **_scans({dk * dk, dk * dv, dk}, dtype),
     }, target)
 
 
-def scan_family_decode_module(name, dk, dv, target, *, normalize, eps, dtype):
-    spec = {"kind": f"{name}_decode", "dk": dk, "dv": dv, "normalize": normalize, "eps": eps,
-            "dtype": dtype}
+def scan_family_decode_module(name, dk, dv, target, *, dtype, **opts):
+    spec = {"kind": f"{name}_decode", "dk": dk, "dv": dv, "dtype": dtype, **opts}
     return build.load_or_build(spec, lambda: {
-        f"{name}_decode": SCAN_FAMILY[name].decode(dk, dv, normalize=normalize, eps=eps,
-                                                   dtype=dtype)}, target)
+        f"{name}_decode": SCAN_FAMILY[name].decode(dk, dv, dtype=dtype, **opts)}, target)
 
 
 class _Chunks:
@@ -116,14 +117,16 @@ class _Chunks:
         return record
 
 
-def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, normalize, eps):
-    """AHLA or third-order outputs for contiguous q, k, v; gamma [H] (ones for no decay) in the
-    accumulation dtype; `state` (reference names) advanced in place."""
+def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, **opts):
+    """Outputs of operator `name` (ahla, hla3, hla2d) for contiguous q, k, v; gamma [H] (ones for
+    no decay) in the accumulation dtype; `state` (reference names) advanced in place.
+    opts: normalize, eps (and masked, ridge for hla2d)."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    opts = {"normalize": bool(normalize), "eps": float(eps), "dtype": TORCH_DTYPES[q.dtype]}
+    opts = {**{n: (float(x) if n in ("eps", "ridge") else bool(x)) for n, x in opts.items()},
+            "dtype": TORCH_DTYPES[q.dtype]}
     out = torch.empty(B, H, T, dv, dtype=q.dtype)
-    st = [state[x] for x in {"ahla": ("P", "m", "E", "n"), "hla3": ("S", "P", "m", "F", "eta")}[name]]
+    st = [state[x] for x in STATE_ORDER[name]]
     if T == 1:
         mod = scan_family_decode_module(name, dk, dv, target, **opts)
         mod[f"{name}_decode"](q, k, v, gamma, *st, out)
@@ -140,6 +143,15 @@ def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, normaliz
         mod["ahla_chunk_cross"](R, Pc, mc, dE, dn, gl, dP, dm)   # dP, dm now hold ddE, ddn
         Ec, nc = ch.scan(E, dP, gl), ch.scan(n, dm, gl)
         mod["ahla_chunk_output"](q, k, v, gamma, Ec, Pc, nc, mc, out)
+    elif name == "hla2d":
+        S, C, m, G, h = st
+        dS, dC, dm, KK, dG, dh, gl = ch.empty(*kk), ch.empty(*kv), ch.empty(*vec), \
+            ch.empty(*kk), ch.empty(*kv), ch.empty(*vec), ch.empty()
+        mod["hla2d_chunk_summary"](q, k, v, gamma, dS, dC, dm, KK, dG, dh, gl)
+        Sc, Cc, mc = ch.scan(S, dS, gl), ch.scan(C, dC, gl), ch.scan(m, dm, gl)
+        mod["hla2d_chunk_cross"](KK, Cc, mc, dG, dh, gl, gamma, dC, dm)  # dC, dm: ddG, ddh
+        Gc, hc = ch.scan(G, dC, gl), ch.scan(h, dm, gl)
+        mod["hla2d_chunk_output"](q, k, v, gamma, Sc, Cc, mc, Gc, hc, out)
     else:
         S, P, m, F, eta = st
         dS, dP, dm, A1, A2, a2, A3, A4, a4, gl = (

@@ -75,12 +75,10 @@ def test_bad_state():
         hla(q, k, v, state=dict(good, m=torch.zeros(1, 2, 4, dtype=torch.int64)))
 
 
-@pytest.mark.parametrize("kwargs, dtype, match", [
-    (dict(decay=0.9), torch.float32, "decay with order=2"),
-])
-def test_not_yet_implemented_options_name_the_option(kwargs, dtype, match):
-    with pytest.raises(NotImplementedError, match=match):
-        hla(*qkv(dtype=dtype), **kwargs)
+def test_tvm_backend_refuses_padding_with_decay():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="attention_mask together with decay"):
+        hla(q, k, v, decay=0.9, attention_mask=torch.ones(1, 5))
 
 
 def test_grouped_heads_need_equal_decay_within_a_group():

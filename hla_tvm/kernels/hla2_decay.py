@@ -1,0 +1,412 @@
+"""Second-order HLA with decay (the paper's Algorithm 1) as TensorIR; mirrors the decayed branch
+of `hla_tvm.reference.hla2.chunked`. Algorithm 1 scales S, C, m, G, h by g per token but adds the
+cross term k k^T C_{t-1} undecayed, so X = S C - G no longer advances on its own and the
+undecayed chunk carry of `hla2.chunk_carry` does not apply. Instead, local s, t = 1..len,
+tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
+
+    chunk_summary  dS = K^T (tail K), dC = Q^T (tail V), dm = Q^T tail, KK = K^T K (undecayed),
+                   dG = K^T (B (tail1 V)), dh = K^T (B tail1), gl = g^len              (parallel)
+    chunk_scan     S, C, m: record Sc, Cc, mc                                          (sequential)
+    chunk_cross    ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh              (parallel)
+    chunk_scan     G, h                                                                (sequential)
+    chunk_output   (W = L * (Q K^T), Gamma[t, s] = g^(t-s) [s <= t], Gamma'[t, s] = g^(t-1-s) [s < t])
+        num = g^t (g^t Q Sc Cc - Q Gc + l Q Cc) + KW (K Cc) + M V
+        KW  = (Q K^T) * (g^t Gamma - g^(t-1) L)
+        M   = (g^t Q Sc Q^T + l Q Q^T) * Gamma + ((W * Gamma) K Q^T) * Gamma - (W B) * Gamma'
+        den = the same with Cc -> mc, Gc -> hc, V -> 1, plus eps           (parallel)
+    (unmasked drops every G, h term, the g^(t-1) L weight and the W B term.)
+    decode         Algorithm 1 for one token, in place.
+"""
+from __future__ import annotations
+
+import functools
+
+from tvm.script import tirx as T
+
+from ._tir import PRESCHEDULED, accum_dtype, chunk_len, const, gpow, matmul as _matmul, \
+    stage as _stage, transpose as _transpose
+
+
+def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
+           dtype="float32"):
+    """G = gG + k (k^T C), h = gh + k (k^T m) (C, m before the token), S = gS + k k^T,
+    C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+    mk = 1.0 if masked else 0.0
+
+    @T.prim_func(s_tir=True)
+    def hla2d_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, S_h: T.handle,
+                     C_h: T.handle, m_h: T.handle, G_h: T.handle, h_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        q = T.match_buffer(q_h, (B, H, 1, dk), io)
+        k = T.match_buffer(k_h, (B, H, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
+        C = T.match_buffer(C_h, (B, H, dk, dv), acc)
+        m = T.match_buffer(m_h, (B, H, dk), acc)
+        G = T.match_buffer(G_h, (B, H, dk, dv), acc)
+        h = T.match_buffer(h_h, (B, H, dk), acc)
+        o = T.match_buffer(o_h, (B, H, 1, dv), io)
+        for bh in T.parallel(B * H):
+            qa = T.alloc_buffer((dk,), acc)
+            ka = T.alloc_buffer((dk,), acc)
+            va = T.alloc_buffer((dv,), acc)
+            kC = T.alloc_buffer((dv,), acc)
+            u = T.alloc_buffer((dk,), acc)
+            num = T.alloc_buffer((dv,), acc)
+            sc = T.alloc_buffer((2,), acc)  # k.m (before), denominator
+            for i in T.vectorized(dk):
+                with T.sblock("qk"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
+                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
+            for j in T.vectorized(dv):
+                with T.sblock("va"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
+                    kC[vj] = _c(0)
+                    num[vj] = _c(0)
+            with T.sblock("sc0"):
+                sc[0] = _c(0)
+                sc[1] = _c(eps)
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("kC"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("RS", [i, j])
+                        kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
+                with T.sblock("km"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.reduce(dk, i)
+                    sc[0] = sc[0] + ka[vi] * m[vb, vh, vi]
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("CG"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        G[vb, vh, vi, vj] = g[vh] * G[vb, vh, vi, vj] + ka[vi] * kC[vj]
+                        C[vb, vh, vi, vj] = g[vh] * C[vb, vh, vi, vj] + qa[vi] * va[vj]
+                for j in T.vectorized(dk):
+                    with T.sblock("S"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        S[vb, vh, vi, vj] = g[vh] * S[vb, vh, vi, vj] + ka[vi] * ka[vj]
+                with T.sblock("mh"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.spatial(dk, i)
+                    h[vb, vh, vi] = g[vh] * h[vb, vh, vi] + ka[vi] * sc[0]
+                    m[vb, vh, vi] = g[vh] * m[vb, vh, vi] + qa[vi]
+                    u[vi] = _c(ridge) * qa[vi]
+            for l in T.serial(dk):
+                for i in T.vectorized(dk):
+                    with T.sblock("u"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vl, vi = T.axis.remap("RS", [l, i])
+                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
+            for i in T.serial(dk):
+                for j in T.vectorized(dv):
+                    with T.sblock("num"):
+                        vb = T.axis.spatial(B, bh // H)
+                        vh = T.axis.spatial(H, bh % H)
+                        vi, vj = T.axis.remap("RS", [i, j])
+                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
+                with T.sblock("den"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vi = T.axis.reduce(dk, i)
+                    sc[1] = sc[1] + u[vi] * m[vb, vh, vi] - _c(mk) * qa[vi] * h[vb, vh, vi]
+            for j in T.vectorized(dv):
+                with T.sblock("o"):
+                    vb = T.axis.spatial(B, bh // H)
+                    vh = T.axis.spatial(H, bh % H)
+                    vj = T.axis.spatial(dv, j)
+                    if normalize:
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / sc[1])
+                    else:
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
+
+    return hla2d_decode.with_attr(PRESCHEDULED, True)
+
+
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+    """Per chunk: dS, KK [B, H, NC, dk, dk], dC, dG [.., dk, dv], dm, dh [.., dk], gl [B, H, NC]."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def hla2d_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                            dS_h: T.handle, dC_h: T.handle, dm_h: T.handle, KK_h: T.handle,
+                            dG_h: T.handle, dh_h: T.handle, gl_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
+        dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
+        dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        tail1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        Kt = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Vt1 = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        KQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        Bs = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        BV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        B1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _transpose(QT, Qc, b, hh, c, n, dk, "QT")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            for s in T.serial(n):
+                with T.sblock("tail"):
+                    vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
+                    tail[vb, vh, vc, vs] = T.Select(
+                        T.Cast("int64", vs) < chunk_len(vc, n, L),
+                        gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1 - T.Cast("int64", vs), acc),
+                        _c(0))
+                    tail1[vb, vh, vc, vs] = T.Select(
+                        T.Cast("int64", vs) + 1 < chunk_len(vc, n, L),
+                        gpow(T.log(g[vh]), chunk_len(vc, n, L) - 2 - T.Cast("int64", vs), acc),
+                        _c(0))
+            with T.sblock("gl"):
+                vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
+                gl[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L), acc)
+            for s, i in T.grid(n, dk):
+                with T.sblock("Kt"):
+                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
+                    Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
+            for s, x in T.grid(n, dv):
+                with T.sblock("Vt"):
+                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
+                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+                    Vt1[vb, vh, vc, vs, vx] = tail1[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
+            _matmul(dC, Qc, Vt, b, hh, c, dk, dv, n, True, "dC")
+            for i, s in T.grid(dk, n):
+                with T.sblock("dm"):
+                    vb, vh, vc, vi, vs = T.axis.remap("SSSSR", [b, hh, c, i, s])
+                    with T.init():
+                        dm[vb, vh, vc, vi] = _c(0)
+                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + QT[vb, vh, vc, vi, vs] * tail[vb, vh, vc, vs]
+            _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
+            _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
+            for j, s in T.grid(n, n):
+                with T.sblock("Bs"):
+                    vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
+                    Bs[vb, vh, vc, vj, vs] = T.Select(vs < vj, KQ[vb, vh, vc, vj, vs], _c(0))
+            _matmul(BV, Bs, Vt1, b, hh, c, n, dv, n, False, "BV")
+            _matmul(dG, Kc, BV, b, hh, c, dk, dv, n, True, "dG")
+            for j, s in T.grid(n, n):
+                with T.sblock("B1"):
+                    vb, vh, vc, vj, vs = T.axis.remap("SSSSR", [b, hh, c, j, s])
+                    with T.init():
+                        B1[vb, vh, vc, vj] = _c(0)
+                    B1[vb, vh, vc, vj] = B1[vb, vh, vc, vj] + Bs[vb, vh, vc, vj, vs] * tail1[vb, vh, vc, vs]
+            for i, j in T.grid(dk, n):
+                with T.sblock("dh"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
+                    with T.init():
+                        dh[vb, vh, vc, vi] = _c(0)
+                    dh[vb, vh, vc, vi] = dh[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vj] * B1[vb, vh, vc, vj]
+
+    return hla2d_chunk_summary
+
+
+def chunk_cross(dk: int, dv: int, *, dtype="float32"):
+    """ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh (g^(len-1) = gl / g)."""
+    acc = accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def hla2d_chunk_cross(KK_h: T.handle, Cc_h: T.handle, mc_h: T.handle, dG_h: T.handle,
+                          dh_h: T.handle, gl_h: T.handle, g_h: T.handle, ddG_h: T.handle,
+                          ddh_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        NC = T.int64()
+        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
+        Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
+        dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        g = T.match_buffer(g_h, (H,), acc)
+        ddG = T.match_buffer(ddG_h, (B, H, NC, dk, dv), acc)
+        ddh = T.match_buffer(ddh_h, (B, H, NC, dk), acc)
+        KC = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _matmul(KC, KK, Cc, b, hh, c, dk, dv, dk, False, "KC")
+            for i, j in T.grid(dk, dv):
+                with T.sblock("ddG"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
+                    ddG[vb, vh, vc, vi, vj] = gl[vb, vh, vc] / g[vh] * KC[vb, vh, vc, vi, vj] \
+                        + dG[vb, vh, vc, vi, vj]
+            for i, j in T.grid(dk, dk):
+                with T.sblock("ddh"):
+                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
+                    with T.init():
+                        ddh[vb, vh, vc, vi] = dh[vb, vh, vc, vi]
+                    ddh[vb, vh, vc, vi] = ddh[vb, vh, vc, vi] \
+                        + gl[vb, vh, vc] / g[vh] * KK[vb, vh, vc, vi, vj] * mc[vb, vh, vc, vj]
+
+    return hla2d_chunk_cross
+
+
+def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6,
+                 ridge=0.0, dtype="float32"):
+    """Outputs of each chunk from the recorded Sc, Cc, mc, Gc, hc (module docstring)."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+    mk = 1.0 if masked else 0.0
+
+    @T.prim_func(s_tir=True)
+    def hla2d_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                           Sc_h: T.handle, Cc_h: T.handle, mc_h: T.handle, Gc_h: T.handle,
+                           hc_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
+        Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        Gc = T.match_buffer(Gc_h, (B, H, NC, dk, dv), acc)
+        hc = T.match_buffer(hc_h, (B, H, NC, dk), acc)
+        o = T.match_buffer(o_h, (B, H, L, dv), io)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        W0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        W = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        WG = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        KW = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        KQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        Bs = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        Z = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        ZC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        QG = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        QC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        KC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        QSQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        QQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        WKQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        WB = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        KWKC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Km = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        den = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _transpose(QT, Qc, b, hh, c, n, dk, "QT")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
+            _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
+            for t, s in T.grid(n, n):
+                with T.sblock("weights"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], _c(0))
+                    WG[vb, vh, vc, vt, vs] = T.Select(
+                        vs <= vt, W0[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
+                    KW[vb, vh, vc, vt, vs] = T.Select(
+                        vs <= vt, W0[vb, vh, vc, vt, vs] * (
+                            gpow(T.log(g[vh]), vt + 1 + vt - vs, acc)
+                            - _c(mk) * gpow(T.log(g[vh]), vt, acc)), _c(0))
+                    Bs[vb, vh, vc, vt, vs] = T.Select(vs < vt, KQ[vb, vh, vc, vt, vs], _c(0))
+            _matmul(Z, Qc, Sc, b, hh, c, n, dk, dk, False, "Z")
+            _matmul(ZC, Z, Cc, b, hh, c, n, dv, dk, False, "ZC")
+            _matmul(QG, Qc, Gc, b, hh, c, n, dv, dk, False, "QG")
+            _matmul(QC, Qc, Cc, b, hh, c, n, dv, dk, False, "QC")
+            _matmul(KC, Kc, Cc, b, hh, c, n, dv, dk, False, "KC")
+            _matmul(QSQ, Z, QT, b, hh, c, n, n, dk, False, "QSQ")
+            _matmul(QQ, Qc, QT, b, hh, c, n, n, dk, False, "QQ")
+            _matmul(WKQ, WG, KQ, b, hh, c, n, n, n, False, "WKQ")
+            _matmul(WB, W, Bs, b, hh, c, n, n, n, False, "WB")
+            for t, s in T.grid(n, n):
+                with T.sblock("M"):
+                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
+                    M[vb, vh, vc, vt, vs] = T.Select(
+                        vs <= vt,
+                        (gpow(T.log(g[vh]), vt + 1, acc) * QSQ[vb, vh, vc, vt, vs]
+                         + _c(ridge) * QQ[vb, vh, vc, vt, vs] + WKQ[vb, vh, vc, vt, vs])
+                        * gpow(T.log(g[vh]), vt - vs, acc)
+                        - _c(mk) * T.Select(vs < vt, WB[vb, vh, vc, vt, vs]
+                                            * gpow(T.log(g[vh]), vt - 1 - vs, acc), _c(0)),
+                        _c(0))
+            _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC")
+            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV")
+            if normalize:
+                for t, i in T.grid(n, dk):
+                    with T.sblock("Km"):
+                        vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
+                        with T.init():
+                            Km[vb, vh, vc, vt] = _c(0)
+                        Km[vb, vh, vc, vt] = Km[vb, vh, vc, vt] + Kc[vb, vh, vc, vt, vi] * mc[vb, vh, vc, vi]
+                for t, j in T.grid(n, dk + n):
+                    with T.sblock("den"):
+                        vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
+                        with T.init():
+                            den[vb, vh, vc, vt] = _c(eps)
+                        den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
+                            vj < dk,
+                            gpow(T.log(g[vh]), vt + 1, acc) * (
+                                gpow(T.log(g[vh]), vt + 1, acc) * Z[vb, vh, vc, vt, T.min(vj, dk - 1)]
+                                * mc[vb, vh, vc, T.min(vj, dk - 1)]
+                                - _c(mk) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * hc[vb, vh, vc, T.min(vj, dk - 1)]
+                                + _c(ridge) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * mc[vb, vh, vc, T.min(vj, dk - 1)]),
+                            KW[vb, vh, vc, vt, T.max(vj - dk, 0)] * Km[vb, vh, vc, T.max(vj - dk, 0)]
+                            + M[vb, vh, vc, vt, T.max(vj - dk, 0)])
+            for t, x in T.grid(n, dv):
+                with T.sblock("o"):
+                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
+                    T.where(c * n + t < L)
+                    if normalize:
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
+                            gpow(T.log(g[vh]), vt + 1, acc) * (
+                                gpow(T.log(g[vh]), vt + 1, acc) * ZC[vb, vh, vc, vt, vx]
+                                - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
+                            + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]) / den[vb, vh, vc, vt])
+                    else:
+                        o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
+                            gpow(T.log(g[vh]), vt + 1, acc) * (
+                                gpow(T.log(g[vh]), vt + 1, acc) * ZC[vb, vh, vc, vt, vx]
+                                - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
+                            + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]))
+
+    return hla2d_chunk_output
