@@ -102,3 +102,61 @@ def chunk_scan(width: int, dtype="float32"):
                         X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
 
     return scan.with_attr(PRESCHEDULED, True)
+
+
+@T.macro
+def load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv):
+    """qa, ka, va = the (b, h) = divmod(bh, H) token of q, k, v in the accumulation dtype."""
+    for i in T.vectorized(dk):
+        with T.sblock("qk"):
+            vb = T.axis.spatial(B, bh // H)
+            vh = T.axis.spatial(H, bh % H)
+            vi = T.axis.spatial(dk, i)
+            qa[vi] = T.Cast(qa.dtype, q[vb, vh, 0, vi])
+            ka[vi] = T.Cast(ka.dtype, k[vb, vh, 0, vi])
+    for j in T.vectorized(dv):
+        with T.sblock("va"):
+            vb = T.axis.spatial(B, bh // H)
+            vh = T.axis.spatial(H, bh % H)
+            vj = T.axis.spatial(dv, j)
+            va[vj] = T.Cast(va.dtype, v[vb, vh, 0, vj])
+
+
+@T.macro
+def decay_weights(tail, gl, g, b, hh, c, n, L):
+    """tail[s] = g^(len-1-s) for the chunk's rows s < len (0 past it), gl = g^len."""
+    for s in T.serial(n):
+        with T.sblock("tail"):
+            vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
+            tail[vb, vh, vc, vs] = T.Select(
+                T.Cast("int64", vs) < chunk_len(vc, n, L),
+                gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1 - T.Cast("int64", vs), tail.dtype),
+                const(0, tail.dtype))
+    with T.sblock("gl"):
+        vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
+        gl[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L), gl.dtype)
+
+
+@T.macro
+def decay_outer(X, g, a, bv, y, x, bh, B, H, rows, cols, name):
+    """X[b, h] = g[h] X[b, h] + a b^T, then y += x^T X[b, h] (the updated X); (b, h) from bh."""
+    for i in T.serial(rows):
+        for j in T.vectorized(cols):
+            with T.sblock(name):
+                vb = T.axis.spatial(B, bh // H)
+                vh = T.axis.spatial(H, bh % H)
+                vi, vj = T.axis.remap("SS", [i, j])
+                X[vb, vh, vi, vj] = g[vh] * X[vb, vh, vi, vj] + a[vi] * bv[vj]
+                y[vj] = y[vj] + x[vi] * X[vb, vh, vi, vj]
+
+
+@T.macro
+def decay_axpy(X, g, a, scale, y, x, bh, B, H, rows, name):
+    """X[b, h] = g[h] X[b, h] + scale a, then y[0] += x . X[b, h] (the updated X)."""
+    for i in T.serial(rows):
+        with T.sblock(name):
+            vb = T.axis.spatial(B, bh // H)
+            vh = T.axis.spatial(H, bh % H)
+            vi = T.axis.spatial(rows, i)
+            X[vb, vh, vi] = g[vh] * X[vb, vh, vi] + scale * a[vi]
+            y[0] = y[0] + x[vi] * X[vb, vh, vi]

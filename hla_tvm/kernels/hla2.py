@@ -21,7 +21,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, const, matmul as _matmul, stage as _stage, \
+from ._tir import PRESCHEDULED, accum_dtype, load_token as _load_token, const, matmul as _matmul, stage as _stage, \
     transpose as _transpose
 
 
@@ -59,19 +59,7 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             qa = T.alloc_buffer((dk,), acc)
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
-            for i in T.vectorized(dk):
-                with T.sblock("qk"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
-                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
-            for j in T.vectorized(dv):
-                with T.sblock("va"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vj = T.axis.spatial(dv, j)
-                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
+            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
             with T.sblock("scalars0"):
                 km[0] = _c(0)
                 den[0] = _c(eps)
@@ -225,7 +213,7 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
         unmasked: Xc[c] = C,               rc[c] = m
     then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h.
     The schedule (parallel over batch*heads, vectorized rows) is written into the loops."""
-    io, acc = dtype, accum_dtype(dtype)
+    acc = accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
     msk = 1.0 if masked else 0.0

@@ -23,7 +23,8 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, chunk_len, const, gpow, matmul as _matmul, \
+from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
+    load_token as _load_token, chunk_len, const, gpow, matmul as _matmul, \
     stage as _stage, transpose as _transpose
 
 
@@ -58,19 +59,10 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             u = T.alloc_buffer((dk,), acc)
             num = T.alloc_buffer((dv,), acc)
             sc = T.alloc_buffer((2,), acc)  # k.m (before), denominator
-            for i in T.vectorized(dk):
-                with T.sblock("qk"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
-                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
+            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
             for j in T.vectorized(dv):
-                with T.sblock("va"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
+                with T.sblock("zero_dv"):
                     vj = T.axis.spatial(dv, j)
-                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
                     kC[vj] = _c(0)
                     num[vj] = _c(0)
             with T.sblock("sc0"):
@@ -185,20 +177,14 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s in T.serial(n):
-                with T.sblock("tail"):
+                with T.sblock("tail1"):
                     vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
-                    tail[vb, vh, vc, vs] = T.Select(
-                        T.Cast("int64", vs) < chunk_len(vc, n, L),
-                        gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1 - T.Cast("int64", vs), acc),
-                        _c(0))
                     tail1[vb, vh, vc, vs] = T.Select(
                         T.Cast("int64", vs) + 1 < chunk_len(vc, n, L),
                         gpow(T.log(g[vh]), chunk_len(vc, n, L) - 2 - T.Cast("int64", vs), acc),
                         _c(0))
-            with T.sblock("gl"):
-                vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
-                gl[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L), acc)
             for s, i in T.grid(n, dk):
                 with T.sblock("Kt"):
                     vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
@@ -243,7 +229,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
 def chunk_cross(dk: int, dv: int, *, dtype="float32"):
     """ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh (g^(len-1) = gl / g)."""
     acc = accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def hla2d_chunk_cross(KK_h: T.handle, Cc_h: T.handle, mc_h: T.handle, dG_h: T.handle,

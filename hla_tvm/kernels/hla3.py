@@ -24,7 +24,9 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, chunk_len, const, gpow, matmul as _matmul, \
+from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
+    load_token as _load_token, decay_axpy as _decay_axpy, \
+    decay_outer as _decay_outer, const, gpow, matmul as _matmul, \
     stage as _stage, transpose as _transpose
 
 
@@ -56,68 +58,33 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
             Sq = T.alloc_buffer((dk,), acc)
             qP = T.alloc_buffer((dv,), acc)
             num = T.alloc_buffer((dv,), acc)
-            sc = T.alloc_buffer((2,), acc)  # q.m, q^T eta + eps
+            sc0 = T.alloc_buffer((1,), acc)
+            den = T.alloc_buffer((1,), acc)
+            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
             for i in T.vectorized(dk):
-                with T.sblock("qk"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
+                with T.sblock("zero_dk"):
                     vi = T.axis.spatial(dk, i)
-                    qa[vi] = T.Cast(acc, q[vb, vh, 0, vi])
-                    ka[vi] = T.Cast(acc, k[vb, vh, 0, vi])
                     Sq[vi] = _c(0)
             for j in T.vectorized(dv):
-                with T.sblock("va"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
+                with T.sblock("zero_dv"):
                     vj = T.axis.spatial(dv, j)
-                    va[vj] = T.Cast(acc, v[vb, vh, 0, vj])
                     qP[vj] = _c(0)
                     num[vj] = _c(0)
-            with T.sblock("sc0"):
-                sc[0] = _c(0)
-                sc[1] = _c(eps)
-            for i in T.serial(dk):
-                for j in T.vectorized(dk):
-                    with T.sblock("S"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        S[vb, vh, vi, vj] = g[vh] * S[vb, vh, vi, vj] + ka[vi] * ka[vj]
-                        Sq[vj] = Sq[vj] + qa[vi] * S[vb, vh, vi, vj]    # S symmetric: S q
-                for j in T.vectorized(dv):
-                    with T.sblock("P"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        P[vb, vh, vi, vj] = g[vh] * P[vb, vh, vi, vj] + ka[vi] * va[vj]
-                        qP[vj] = qP[vj] + qa[vi] * P[vb, vh, vi, vj]
-                with T.sblock("m"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    m[vb, vh, vi] = g[vh] * m[vb, vh, vi] + ka[vi]
-                    sc[0] = sc[0] + qa[vi] * m[vb, vh, vi]
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("F"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        F[vb, vh, vi, vj] = g[vh] * F[vb, vh, vi, vj] + Sq[vi] * qP[vj]
-                        num[vj] = num[vj] + qa[vi] * F[vb, vh, vi, vj]
-                with T.sblock("eta"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    eta[vb, vh, vi] = g[vh] * eta[vb, vh, vi] + Sq[vi] * sc[0]
-                    sc[1] = sc[1] + qa[vi] * eta[vb, vh, vi]
+            with T.sblock("scalars"):
+                sc0[0] = _c(0)
+                den[0] = _c(eps)
+            _decay_outer(S, g, ka, ka, Sq, qa, bh, B, H, dk, dk, "S")      # Sq = S q (S = S^T)
+            _decay_outer(P, g, ka, va, qP, qa, bh, B, H, dk, dv, "P")      # qP = q^T P
+            _decay_axpy(m, g, ka, _c(1), sc0, qa, bh, B, H, dk, "m")      # sc0 = q.m
+            _decay_outer(F, g, Sq, qP, num, qa, bh, B, H, dk, dv, "F")    # num = q^T F
+            _decay_axpy(eta, g, Sq, sc0[0], den, qa, bh, B, H, dk, "eta")  # den = q.eta + eps
             for j in T.vectorized(dv):
                 with T.sblock("o"):
                     vb = T.axis.spatial(B, bh // H)
                     vh = T.axis.spatial(H, bh % H)
                     vj = T.axis.spatial(dv, j)
                     if normalize:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / sc[1])
+                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / den[0])
                     else:
                         o[vb, vh, 0, vj] = T.Cast(io, num[vj])
 
@@ -174,16 +141,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
-            for s in T.serial(n):
-                with T.sblock("tail"):
-                    vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
-                    tail[vb, vh, vc, vs] = T.Select(
-                        T.Cast("int64", vs) < chunk_len(vc, n, L),
-                        gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1 - T.Cast("int64", vs), acc),
-                        _c(0))
-            with T.sblock("gl"):
-                vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
-                gl[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L), acc)
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s, i in T.grid(n, dk):
                 with T.sblock("KtQg"):
                     vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
@@ -251,7 +209,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
 def chunk_cross(dk: int, dv: int, *, dtype="float32"):
     """X = Sc A1 + gl A3;  ddF = X Pc + gl Sc A2 + A4;  ddeta = X mc + gl Sc a2 + a4."""
     acc = accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def hla3_chunk_cross(Sc_h: T.handle, Pc_h: T.handle, mc_h: T.handle, A1_h: T.handle,
