@@ -1,0 +1,67 @@
+"""`torch.ops.hla_tvm.hla`: the HLA operator as one opaque node for torch.export.
+
+    hla(q, k, v, state: list[Tensor], decay: Tensor?, order, asymmetric, masked, normalize,
+        eps, ridge, chunk_size) -> (o, new_state: list[Tensor])
+
+state lists the operator's summaries in `state_names(order, asymmetric)` order (zeros for a
+fresh sequence); it runs the PyTorch reference (`hla_tvm.hla(..., backend="torch")`) and is
+differentiable in q, k, v and the state. The compile path maps this node onto the TensorIR
+kernels."""
+from __future__ import annotations
+
+import torch
+
+from .. import operators
+from ..api import hla as _hla
+
+
+def state_names(order=2, asymmetric=False):
+    """The operator's state entries, in the order the custom op takes and returns them."""
+    return tuple(operators.get(order, asymmetric).state_names)
+
+
+def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
+    names = state_names(order, asymmetric)
+    extra = dict(masked=masked, ridge=ridge) if operators.get(order, asymmetric).has_mask_ridge \
+        else {}
+    out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps,
+                   decay=decay, state=dict(zip(names, state)), return_state=True,
+                   backend="torch", chunk_size=chunk_size, **extra)
+    return out, [st[n].to(state[i].dtype) for i, n in enumerate(names)]
+
+
+@torch.library.custom_op("hla_tvm::hla", mutates_args=())
+def hla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: list[torch.Tensor],
+           decay: torch.Tensor | None, order: int, asymmetric: bool, masked: bool,
+           normalize: bool, eps: float, ridge: float, chunk_size: int
+           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out, st = _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge,
+                   chunk_size)
+    return out.contiguous(), [x.contiguous() for x in st]
+
+
+@hla_op.register_fake
+def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    return out, [torch.empty_like(x) for x in state]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, state, decay, *opts = inputs
+    ctx.save_for_backward(q, k, v, *state)
+    ctx.decay, ctx.opts, ctx.n_state = decay, opts, len(state)
+
+
+def _backward(ctx, grad_out, grad_state):
+    """Recompute through the differentiable reference and pull the gradients back."""
+    q, k, v, *state = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+    with torch.enable_grad():
+        out, st = _run(q, k, v, state, ctx.decay, *ctx.opts)
+        pairs = [(out, grad_out)] + [(s, g) for s, g in zip(st, grad_state) if g is not None]
+        grads = torch.autograd.grad([p for p, _ in pairs], [q, k, v, *state],
+                                    [g for _, g in pairs], allow_unused=True)
+    gq, gk, gv, *gs = grads
+    return gq, gk, gv, list(gs), None, None, None, None, None, None, None, None
+
+
+hla_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,112 @@
+"""The torch.library custom op, layers and HLALM model (PyTorch side of the deployment path)."""
+import pytest
+import torch
+
+from conftest import make_qkv, rel_err
+from hla_tvm.models import HLALM
+from hla_tvm.nn import HLAttention, hla_op, state_names
+from hla_tvm.reference import ahla, hla2, hla3
+
+OPS = [(2, False, hla2), (2, True, ahla), (3, False, hla3)]
+
+
+@pytest.mark.parametrize("order, asym, ref", OPS)
+def test_custom_op_matches_reference_and_differentiates(order, asym, ref):
+    q, k, v = make_qkv(1, 2, 12, 4, 3, seed=1)
+    names = state_names(order, asym)
+    zero = ref.zero_state(1, 2, 4, 3)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, st = hla_op(*xs, [zero[n] for n in names], None, order, asym, True, False, 1e-6, 0.0, 5)
+    assert rel_err(out, ref.quadratic(q, k, v)) < 1e-12
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    (ref.quadratic(*ys) * w).sum().backward()
+    for a, b in zip(xs, ys):
+        assert rel_err(a.grad, b.grad) < 1e-8
+    assert [tuple(s.shape) for s in st] == [tuple(zero[n].shape) for n in names]
+
+
+def test_custom_op_gradient_through_the_state():
+    """Training across segments: the gradient reaches the previous segment's q, k, v."""
+    q, k, v = make_qkv(1, 1, 10, 3, 2, seed=2)
+    names = state_names()
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    zero = [hla2.zero_state(1, 1, 3, 2)[n] for n in names]
+    _, st = hla_op(*(x[:, :, :6] for x in xs), zero, None, 2, False, True, False, 1e-6, 0.0, 4)
+    out, _ = hla_op(*(x[:, :, 6:] for x in xs), st, None, 2, False, True, False, 1e-6, 0.0, 4)
+    out.sum().backward()
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    hla2.quadratic(*ys)[:, :, 6:].sum().backward()
+    for a, b in zip(xs, ys):
+        assert rel_err(a.grad, b.grad) < 1e-8
+
+
+def test_opcheck():
+    q, k, v = make_qkv(1, 2, 6, 4, 4, seed=3)
+    zero = hla2.zero_state(1, 2, 4, 4)
+    torch.library.opcheck(hla_op, (q, k, v, [zero[n] for n in state_names()], None, 2, False,
+                                   True, False, 1e-6, 0.0, 4))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(asymmetric=True), dict(order=3),
+                                dict(decay=0.9, n_kv_heads=2), dict(normalize=True)])
+def test_hlalm_streams_like_the_whole_sequence(kw):
+    torch.manual_seed(0)
+    m = HLALM(40, 32, 2, 4, **kw).double()
+    toks = torch.randint(0, 40, (2, 21))
+    full, full_state = m(toks)
+    a, st = m(toks[:, :9])
+    b, st = m(toks[:, 9:20], st)
+    c, st = m(toks[:, 20:], st)
+    assert rel_err(torch.cat([a, b, c], 1), full) < 1e-10
+    for s1, s2 in zip(st, full_state):
+        for n in s1:
+            assert rel_err(s1[n], s2[n]) < 1e-10
+
+
+def test_attention_layer_state_shapes_follow_grouped_heads():
+    layer = HLAttention(32, 4, n_kv_heads=2, order=3)
+    st = layer.init_state(3)
+    assert st["S"].shape == (3, 2, 8, 8) and st["F"].shape == (3, 4, 8, 8)
+    with pytest.raises(ValueError, match="must divide"):
+        HLAttention(32, 4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="decay must be one value"):
+        HLAttention(32, 4, decay=[0.9, 0.8, 0.7])
+
+
+def test_save_load_roundtrip(tmp_path):
+    m = HLALM(30, 16, 1, 2, order=3, decay=[0.9, 0.8], tie_embeddings=False)
+    m.save(tmp_path / "m.pt")
+    m2 = HLALM.load(tmp_path / "m.pt")
+    toks = torch.randint(0, 30, (1, 7))
+    assert torch.equal(m(toks)[0], m2(toks)[0])
+    (tmp_path / "bad.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable HLALM checkpoint"):
+        HLALM.load(tmp_path / "bad.pt")
+    torch.save({"format": "other"}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not an HLALM checkpoint"):
+        HLALM.load(tmp_path / "other.pt")
+
+
+def test_model_rejects_bad_tokens_and_state():
+    m = HLALM(10, 8, 2, 2)
+    with pytest.raises(ValueError, match=r"tokens must be an integer tensor \[B, T\]"):
+        m(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="state must hold 2 layer states"):
+        m(torch.zeros(1, 3, dtype=torch.int64), state=[{}])
+
+
+def test_export_keeps_one_node_per_layer():
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, tokens):
+            return self.m(tokens)[0]
+
+    m = HLALM(20, 16, 3, 2).eval()
+    ep = torch.export.export(Wrap(m), (torch.zeros(1, 5, dtype=torch.int64),))
+    nodes = [n for n in ep.graph.nodes if n.target is torch.ops.hla_tvm.hla.default]
+    assert len(nodes) == 3
