@@ -1,0 +1,104 @@
+"""`hla_tvm.compile(model, ...)`: a PyTorch HLA model to a deployable TVM module.
+
+The module has two entry points with explicit state (every layer's HLA summaries, flattened in
+layer order and `state_names` order):
+    prefill(tokens [B, T] int64, *state) -> (logits [B, T, vocab], *state)     T symbolic
+    decode(tokens [B] int64, *state)     -> (logits [B, vocab], *state)
+and metadata (`hla_tvm_meta`: a JSON string with the state layout) for `hla_tvm.runtime`."""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+
+def flat_state_spec(model):
+    """[(name, shape without batch, dtype)] of the flattened state for batch 1."""
+    spec = []
+    for i, layer in enumerate(model.init_state(1)):
+        for n, x in layer.items():
+            spec.append((f"layer{i}.{n}", list(x.shape[1:]), str(x.dtype).replace("torch.", "")))
+    return spec
+
+
+class _Prefill(nn.Module):
+    def __init__(self, model, layout):
+        super().__init__()
+        self.model, self.layout = model, layout
+
+    def forward(self, tokens, *flat):
+        logits, st = self.model(tokens, _unflatten(flat, self.layout))
+        return (logits, *_flatten(st))
+
+
+class _Decode(_Prefill):
+    def forward(self, tokens, *flat):
+        logits, st = self.model(tokens[:, None], _unflatten(flat, self.layout))
+        return (logits[:, 0], *_flatten(st))
+
+
+def _flatten(state):
+    return [x for layer in state for x in layer.values()]
+
+
+def _unflatten(flat, layout):
+    out, i = [], 0
+    for names in layout:
+        out.append(dict(zip(names, flat[i:i + len(names)])))
+        i += len(names)
+    return out
+
+
+def to_relax(model, *, max_batch=None):
+    """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
+    forward(tokens, state) -> (logits, state) and init_state(batch))."""
+    import tvm
+    from torch.export import Dim
+
+    from .frontend.torch_export import import_exported
+
+    model = model.eval().float()
+    layout = [tuple(layer) for layer in model.init_state(1)]
+    # upper bounds become Relax's static memory plan: only a batch bound when asked for
+    batch = Dim("batch", min=1, max=max_batch) if max_batch else Dim("batch", min=1)
+    seq = Dim("seq", min=2)
+    st2 = _flatten(model.init_state(2))
+    state_dims = tuple({0: batch} for _ in st2)
+    mods = {}
+    with torch.no_grad():
+        ep = torch.export.export(
+            _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
+            dynamic_shapes=({0: batch, 1: seq}, state_dims))
+        mods["prefill"] = import_exported(ep)
+        ep = torch.export.export(
+            _Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
+            dynamic_shapes=({0: batch}, state_dims))
+        mods["decode"] = import_exported(ep)
+    funcs = {}
+    for entry, mod in mods.items():
+        for gv, func in mod.functions.items():
+            if gv.name_hint == "main":
+                funcs[tvm.ir.GlobalVar(entry)] = func.with_attr("global_symbol", entry)
+            elif gv.name_hint not in {g.name_hint for g in funcs}:
+                funcs[gv] = func
+    return tvm.IRModule(funcs)
+
+
+def compile(model, *, target="llvm", out="model.so", max_batch=None):  # noqa: A001
+    """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
+    (None / "llvm": this CPU) and write the library to `out`. Returns `out`."""
+    import tvm
+
+    from .target import resolve
+
+    tgt = resolve(target)
+    mod = to_relax(model, max_batch=max_batch)
+    meta = {"format": "hla_tvm.module/1", "state": flat_state_spec(model),
+            "vocab_size": int(model.config["vocab_size"]) if hasattr(model, "config") else None,
+            "config": getattr(model, "config", None)}
+    mod = mod.with_attr("hla_tvm_meta", json.dumps(meta))
+    with tgt:
+        exe = tvm.compile(mod, target=tgt)
+    exe.export_library(str(out))
+    return str(out)

@@ -1,0 +1,1 @@
+"""Importers that map HLA operators in exported models onto the TensorIR kernels."""
