@@ -1,6 +1,19 @@
-"""hla_tvm: Higher-order Linear Attention as compiled TVM operators."""
+"""hla_tvm: Higher-order Linear Attention as compiled TVM operators.
+
+Attributes load lazily, so that `hla_tvm.runtime` (and `hla-tvm run`) work with the TVM runtime
+alone, without importing torch or TVM's compiler."""
 __version__ = "0.1.0"
 
-from .api import hla  # noqa: E402
+__all__ = ["hla", "compile", "__version__"]
 
-__all__ = ["hla", "__version__"]
+
+def __getattr__(name):
+    if name == "hla":
+        from .api import hla
+
+        return hla
+    if name == "compile":
+        from .compile import compile as compile_model
+
+        return compile_model
+    raise AttributeError(f"module 'hla_tvm' has no attribute {name!r}")

@@ -18,6 +18,57 @@ def _bench(args):
                chunk_size=args.chunk_size, repeat=args.repeat)
 
 
+def _compile(args):
+    import json
+
+    from .compile import compile as compile_model
+    from .models import HLALM
+
+    target = args.target
+    if target.strip().startswith("{"):
+        try:
+            target = json.loads(target)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"hla-tvm compile: --target is not valid JSON: {err}")
+    model = HLALM.load(args.checkpoint)
+    print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
+          f"parameters) for {target} ...", flush=True)
+    out = compile_model(model, target=target, out=args.output, max_batch=args.max_batch)
+    print(f"wrote {out}")
+    return 0
+
+
+def _run(args):
+    import time
+
+    import numpy as np
+
+    from .runtime import load
+
+    m = load(args.module)
+    try:
+        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit("hla-tvm run: --prompt-ids must be comma-separated integers")
+    if not prompt:
+        raise SystemExit("hla-tvm run: --prompt-ids needs at least one token")
+    state = m.init_state(1)
+    t0 = time.perf_counter()
+    logits, state = m.prefill(np.array([prompt]), state)
+    t_prefill = time.perf_counter() - t0
+    tokens = [int(logits[0, -1].argmax())]
+    t0 = time.perf_counter()
+    for _ in range(args.steps - 1):
+        logits, state = m.decode(np.array(tokens[-1:]), state)
+        tokens.append(int(logits[0].argmax()))
+    t_decode = time.perf_counter() - t0
+    print(" ".join(map(str, tokens)))
+    rate = (args.steps - 1) / t_decode if args.steps > 1 and t_decode > 0 else float("nan")
+    print(f"prefill {len(prompt)} tokens: {t_prefill * 1e3:.2f} ms; decode: {rate:.1f} tokens/s",
+          file=sys.stderr)
+    return 0
+
+
 def _cache(args):
     import os
     import shutil
@@ -59,6 +110,23 @@ def build_parser():
     b.add_argument("--chunk-size", type=int, default=64)
     b.add_argument("--repeat", type=int, default=5, help="timed runs, best kept (default 5)")
     b.set_defaults(func=_bench)
+
+    k = sub.add_parser("compile", help="compile an HLALM checkpoint into a deployable module "
+                                       "(prefill/decode entry points, runtime-only loading)")
+    k.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
+    k.add_argument("-o", "--output", default="model.so", help="output library (model.so)")
+    k.add_argument("--target", default="llvm",
+                   help='"llvm" for this CPU (default) or a TVM target as JSON, e.g. '
+                        '\'{"kind": "llvm", "mcpu": "znver4"}\'')
+    k.add_argument("--max-batch", type=int, default=None,
+                   help="upper bound of the batch size (lets TVM plan memory statically)")
+    k.set_defaults(func=_compile)
+
+    r = sub.add_parser("run", help="greedy generation with a compiled module (TVM runtime only)")
+    r.add_argument("module", help="a library written by `hla-tvm compile`")
+    r.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
+    r.add_argument("--steps", type=int, default=16, help="tokens to generate (default 16)")
+    r.set_defaults(func=_run)
 
     c = sub.add_parser("cache", help="show (or --clear) the compiled-kernel cache folder")
     c.add_argument("--clear", action="store_true", help="delete every cached module")

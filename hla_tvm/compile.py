@@ -85,6 +85,23 @@ def to_relax(model, *, max_batch=None):
     return tvm.IRModule(funcs)
 
 
+META_FUNC = "hla_tvm_meta"
+MODULE_FORMAT = "hla_tvm.module/1"
+
+
+def _with_meta(mod, meta):
+    """Add a Relax function returning the metadata JSON as uint8 bytes (readable by the runtime
+    alone)."""
+    import numpy as np
+    from tvm import relax
+
+    bb = relax.BlockBuilder(mod)
+    with bb.function(META_FUNC, []):
+        blob = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        bb.emit_func_output(relax.const(blob))
+    return bb.get()
+
+
 def compile(model, *, target="llvm", out="model.so", max_batch=None):  # noqa: A001
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU) and write the library to `out`. Returns `out`."""
@@ -94,10 +111,10 @@ def compile(model, *, target="llvm", out="model.so", max_batch=None):  # noqa: A
 
     tgt = resolve(target)
     mod = to_relax(model, max_batch=max_batch)
-    meta = {"format": "hla_tvm.module/1", "state": flat_state_spec(model),
+    meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
             "vocab_size": int(model.config["vocab_size"]) if hasattr(model, "config") else None,
             "config": getattr(model, "config", None)}
-    mod = mod.with_attr("hla_tvm_meta", json.dumps(meta))
+    mod = _with_meta(mod, meta)
     with tgt:
         exe = tvm.compile(mod, target=tgt)
     exe.export_library(str(out))

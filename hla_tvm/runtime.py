@@ -1,0 +1,155 @@
+"""Loading and driving a compiled HLA model with the TVM runtime alone.
+
+    m = hla_tvm.runtime.load("model.so")
+    state = m.init_state(batch)
+    logits, state = m.prefill(tokens [B, T], state)      # numpy or torch arrays in, numpy out
+    logits, state = m.decode(tokens [B], state)
+
+This module imports neither torch nor TVM's compiler library: unless TVM is already imported, it
+sets TVM_USE_RUNTIME_LIB=1 and keeps tvm_ffi's optional `import torch` from loading torch.
+The state is a list of device tensors, advanced in place by the compiled kernels: the list passed
+to prefill/decode is consumed; use `copy_state` to branch a sequence, `save_state`/`load_state`
+to keep one."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+MODULE_FORMAT = "hla_tvm.module/1"
+META_FUNC = "hla_tvm_meta"
+
+
+def _import_tvm_runtime():
+    if "tvm" in sys.modules:
+        return sys.modules["tvm"]
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    blocker = None
+    if "torch" not in sys.modules:
+        class _NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("hla_tvm.runtime keeps torch out of the runtime path")
+                return None
+
+        blocker = _NoTorch()
+        sys.meta_path.insert(0, blocker)
+    try:
+        import tvm
+    finally:
+        if blocker is not None:
+            sys.meta_path.remove(blocker)
+    return tvm
+
+
+def load(path, device="cpu"):
+    """The compiled model at `path` on `device` ("cpu" for now)."""
+    return CompiledModel(path, device)
+
+
+class CompiledModel:
+    def __init__(self, path, device="cpu"):
+        tvm = _import_tvm_runtime()
+        from tvm.runtime import vm as tvm_vm
+
+        if device != "cpu":
+            raise ValueError(f"device must be 'cpu' for now, got {device!r}")
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no compiled module at {path}")
+        try:
+            lib = tvm.runtime.load_module(path)
+        except Exception as err:
+            raise ValueError(f"{path}: not a loadable TVM module ({err})") from None
+        self._tvm = tvm
+        self.device = tvm.cpu()
+        try:
+            self._vm = tvm_vm.VirtualMachine(lib, self.device)
+            raw = self._vm[META_FUNC]()
+            self.meta = json.loads(bytes(raw.numpy()).decode())
+        except Exception as err:
+            raise ValueError(f"{path}: not an hla_tvm compiled model ({err})") from None
+        if self.meta.get("format") != MODULE_FORMAT:
+            raise ValueError(f"{path}: module format {self.meta.get('format')!r}, expected "
+                             f"{MODULE_FORMAT!r}")
+        self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
+        self.vocab_size = self.meta.get("vocab_size")
+        self.path = path
+
+    # --- state -------------------------------------------------------------------------------
+    def init_state(self, batch):
+        """The zero state of `batch` fresh sequences."""
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
+        return [self._tvm.runtime.tensor(np.zeros((batch, *shape), dtype=dtype), self.device)
+                for _, shape, dtype in self.state_spec]
+
+    def copy_state(self, state):
+        return [self._tvm.runtime.tensor(x.numpy(), self.device) for x in state]
+
+    def save_state(self, state, path):
+        """Write the state to an .npz file (one array per entry, named as in state_spec)."""
+        np.savez(path, **{n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)})
+
+    def load_state(self, path):
+        """A state written by save_state, checked against this model."""
+        with np.load(path, allow_pickle=False) as f:
+            missing = [n for n, _, _ in self.state_spec if n not in f.files]
+            if missing:
+                raise ValueError(f"{path}: not a state of this model (missing {missing[:3]})")
+            arrays = [f[n] for n, _, _ in self.state_spec]
+        batch = arrays[0].shape[0] if arrays[0].ndim else 0
+        return self._check_state(arrays, batch)
+
+    def _check_state(self, state, batch):
+        if not isinstance(state, (list, tuple)) or len(state) != len(self.state_spec):
+            raise ValueError(f"state must be a list of {len(self.state_spec)} tensors (from "
+                             f"init_state), got {type(state).__name__} of "
+                             f"{len(state) if isinstance(state, (list, tuple)) else '?'}")
+        out = []
+        for (name, shape, dtype), x in zip(self.state_spec, state):
+            got = tuple(x.shape)
+            if got != (batch, *shape):
+                raise ValueError(f"state entry {name} must have shape {[batch, *shape]} for "
+                                 f"batch {batch}, got {list(got)}")
+            if str(x.dtype) != dtype:
+                raise ValueError(f"state entry {name} must be {dtype}, got {x.dtype}")
+            if not isinstance(x, self._tvm.runtime.Tensor):
+                x = self._tvm.runtime.tensor(np.ascontiguousarray(x), self.device)
+            out.append(x)
+        return out
+
+    # --- running -----------------------------------------------------------------------------
+    def _tokens(self, tokens, ndim, what):
+        arr = np.asarray(tokens)
+        if arr.ndim != ndim or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must be an integer array of shape "
+                             f"{'[B, T]' if ndim == 2 else '[B]'}, got {arr.dtype} "
+                             f"{list(arr.shape)}")
+        if arr.size == 0:
+            raise ValueError(f"{what} must not be empty")
+        if self.vocab_size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got "
+                             f"[{arr.min()}, {arr.max()}]")
+        return self._tvm.runtime.tensor(np.ascontiguousarray(arr, dtype=np.int64), self.device)
+
+    def prefill(self, tokens, state):
+        """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]."""
+        arr = np.asarray(tokens)
+        if arr.ndim == 2 and arr.shape[1] == 1:   # the prefill entry takes T >= 2
+            logits, state = self.decode(arr[:, 0], state)
+            return logits[:, None], state
+        t = self._tokens(tokens, 2, "tokens")
+        return self._run("prefill", t, state)
+
+    def decode(self, tokens, state):
+        """(logits [B, vocab] numpy, state) after one token per sequence, `tokens` [B]."""
+        t = self._tokens(tokens, 1, "tokens")
+        return self._run("decode", t, state)
+
+    def _run(self, entry, tokens, state):
+        state = self._check_state(state, tokens.shape[0])
+        res = self._vm[entry](tokens, *state)
+        return res[0].numpy(), [res[i] for i in range(1, len(res))]

@@ -1,0 +1,117 @@
+"""PyTorch HLALM -> compiled TVM module -> runtime-only loader, against the PyTorch model."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import rel_err
+from hla_tvm.cli import main
+from hla_tvm.compile import compile as compile_model
+from hla_tvm.models import HLALM
+from hla_tvm.runtime import load
+
+VOCAB = 40
+CONFIGS = {"hla2": dict(), "ahla": dict(asymmetric=True),
+           "hla3": dict(order=3, decay=[0.9, 0.8], n_kv_heads=2)}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def compiled(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16, **CONFIGS[request.param]).eval()
+    path = tmp_path_factory.mktemp(request.param) / "model.so"
+    compile_model(model, out=path)
+    return model, path
+
+
+def _torch_logits(model, tokens, state=None):
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens), state)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefill_lengths_and_decode_match_pytorch(compiled, batch):
+    model, path = compiled
+    m = load(path)
+    rng = np.random.default_rng(batch)
+    for T in (5, 33, 70):   # one module serves every prompt length
+        tokens = rng.integers(0, VOCAB, (batch, T))
+        logits, state = m.prefill(tokens, m.init_state(batch))
+        ref, ref_state = _torch_logits(model, tokens)
+        assert logits.shape == (batch, T, VOCAB)
+        assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    for _ in range(20):
+        tok = rng.integers(0, VOCAB, (batch,))
+        logits, state = m.decode(tok, state)
+        ref, ref_state = _torch_logits(model, tok[:, None], ref_state)
+        assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
+
+
+def test_torch_tensors_in(compiled):
+    model, path = compiled
+    m = load(path)
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    logits, _ = m.prefill(tokens, m.init_state(2))
+    assert rel_err(torch.from_numpy(logits), _torch_logits(model, tokens)[0]) <= 1e-4
+
+
+def test_saved_state_continues_in_a_new_process(compiled, tmp_path):
+    model, path = compiled
+    m = load(path)
+    prompt = np.arange(12).reshape(1, 12) % VOCAB
+    _, state = m.prefill(prompt, m.init_state(1))
+    m.save_state(state, tmp_path / "state.npz")
+    here, _ = m.decode(np.array([7]), m.copy_state(state))
+    code = textwrap.dedent(f"""
+        import sys, numpy as np
+        from hla_tvm.runtime import load
+        m = load({str(path)!r})
+        logits, _ = m.decode(np.array([7]), m.load_state({str(tmp_path / 'state.npz')!r}))
+        np.save({str(tmp_path / 'logits.npy')!r}, logits)
+        assert "torch" not in sys.modules, "torch was imported"
+        maps = open("/proc/self/maps").read()
+        assert "libtvm_compiler" not in maps, "the TVM compiler library was loaded"
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr
+    assert np.array_equal(np.load(tmp_path / "logits.npy"), here)
+
+
+def test_wrong_state_is_refused(compiled):
+    _, path = compiled
+    m = load(path)
+    tokens = np.zeros((2, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"must have shape \[2, "):
+        m.prefill(tokens, m.init_state(3))
+    with pytest.raises(ValueError, match="state must be a list of"):
+        m.decode(np.zeros(2, dtype=np.int64), m.init_state(2)[:-1])
+    bad = m.init_state(2)
+    bad[0] = np.zeros((2, 1, 1), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"state entry layer0\.\w+ must have shape"):
+        m.decode(np.zeros(2, dtype=np.int64), bad)
+    with pytest.raises(ValueError, match=r"tokens must be an integer array of shape \[B, T\]"):
+        m.prefill(np.zeros((2, 4), dtype=np.float32), m.init_state(2))
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 40\)"):
+        m.decode(np.array([VOCAB, 0]), m.init_state(2))
+
+
+def test_bad_module_files(tmp_path):
+    (tmp_path / "junk.so").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a loadable TVM module"):
+        load(tmp_path / "junk.so")
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "missing.so")
+
+
+def test_cli_compile_and_run(tmp_path, capsys):
+    torch.manual_seed(1)
+    HLALM(VOCAB, 16, 1, 2).save(tmp_path / "ck.pt")
+    assert main(["compile", str(tmp_path / "ck.pt"), "-o", str(tmp_path / "m.so")]) == 0
+    assert main(["run", str(tmp_path / "m.so"), "--prompt-ids", "1,2,3", "--steps", "5"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.strip().splitlines()[-1].split()) == 5 and "tokens/s" in out.err
