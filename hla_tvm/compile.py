@@ -85,6 +85,28 @@ def to_relax(model, *, max_batch=None):
     return tvm.IRModule(funcs)
 
 
+def cpu_pipeline(target):
+    """TVM's CPU Relax pipeline with default schedules for the legalized ops between the HLA
+    kernels (dlight's CPU GEMV and reduction rules, then `ParallelFallback`)."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    from tvm.s_tir import dlight as dl
+
+    from .schedule.cpu.parallel_fallback import ParallelFallback
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod, _ctx):
+        seq = tvm.transform.Sequential(
+            cpu.library_dispatch_passes(target) + cpu.legalize_passes(target)
+            + [dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback())]
+            + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
+        return seq(mod)
+
+    del relax
+    return _pipeline
+
+
 META_FUNC = "hla_tvm_meta"
 MODULE_FORMAT = "hla_tvm.module/1"
 
@@ -116,6 +138,6 @@ def compile(model, *, target="llvm", out="model.so", max_batch=None):  # noqa: A
             "config": getattr(model, "config", None)}
     mod = _with_meta(mod, meta)
     with tgt:
-        exe = tvm.compile(mod, target=tgt)
+        exe = tvm.compile(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt))
     exe.export_library(str(out))
     return str(out)

@@ -27,7 +27,8 @@ def _add(bb, name, func):
     existing = [gv for gv in bb.get().get_global_vars() if gv.name_hint == name]
     if existing:
         return existing[0]
-    return bb.add_func(sch.mod[name], name)
+    # marked scheduled: the pipeline's default rules leave it alone
+    return bb.add_func(sch.mod[name].with_attr("tirx.is_scheduled", True), name)
 
 
 def _tt(shape, dtype):
