@@ -124,14 +124,29 @@ def _with_meta(mod, meta):
     return bb.get()
 
 
-def compile(model, *, target="llvm", out="model.so", max_batch=None):  # noqa: A001
+def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None):  # noqa: A001
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
-    (None / "llvm": this CPU) and write the library to `out`. Returns `out`."""
+    (None / "llvm": this CPU) and write the library to `out`. Returns `out`.
+
+    schedules: "auto" uses tuned records from `schedules/` for the target where they exist and
+    the default schedules otherwise (no tuned records ship yet, so both mean the defaults);
+    "default" always uses the default schedules."""
     import tvm
 
     from .target import resolve
 
+    if schedules not in ("auto", "default"):
+        raise ValueError(f"schedules must be 'auto' or 'default', got {schedules!r}")
+    for attr in ("init_state", "forward"):
+        if not callable(getattr(model, attr, None)):
+            raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
+                            f"state) and init_state(batch); {type(model).__name__} has no {attr}")
+    if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+        raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
     tgt = resolve(target)
+    if tgt.kind.name != "llvm":
+        raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} comes "
+                                  "with the CUDA deployment work; use an llvm (CPU) target")
     mod = to_relax(model, max_batch=max_batch)
     meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
             "vocab_size": int(model.config["vocab_size"]) if hasattr(model, "config") else None,

@@ -115,3 +115,13 @@ def test_cli_compile_and_run(tmp_path, capsys):
     assert main(["run", str(tmp_path / "m.so"), "--prompt-ids", "1,2,3", "--steps", "5"]) == 0
     out = capsys.readouterr()
     assert len(out.out.strip().splitlines()[-1].split()) == 5 and "tokens/s" in out.err
+
+
+def test_compile_argument_checks(tmp_path):
+    model = HLALM(VOCAB, 16, 1, 2)
+    with pytest.raises(ValueError, match="schedules must be"):
+        compile_model(model, out=tmp_path / "m.so", schedules="tuned")
+    with pytest.raises(TypeError, match="HLALM-like"):
+        compile_model(torch.nn.Linear(2, 2), out=tmp_path / "m.so")
+    with pytest.raises(ValueError, match="max_batch"):
+        compile_model(model, out=tmp_path / "m.so", max_batch=0)
