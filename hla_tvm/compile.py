@@ -7,6 +7,7 @@ layer order and `state_names` order):
 and metadata (`hla_tvm_meta`: a JSON string with the state layout) for `hla_tvm.runtime`."""
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -58,7 +59,7 @@ def to_relax(model, *, max_batch=None):
 
     from .frontend.torch_export import import_exported
 
-    model = model.eval().float()
+    model = copy.deepcopy(model).eval().float()   # the caller's module stays as it was
     layout = [tuple(layer) for layer in model.init_state(1)]
     # upper bounds become Relax's static memory plan: only a batch bound when asked for
     batch = Dim("batch", min=1, max=max_batch) if max_batch else Dim("batch", min=1)

@@ -125,3 +125,9 @@ def test_compile_argument_checks(tmp_path):
         compile_model(torch.nn.Linear(2, 2), out=tmp_path / "m.so")
     with pytest.raises(ValueError, match="max_batch"):
         compile_model(model, out=tmp_path / "m.so", max_batch=0)
+
+
+def test_compile_leaves_the_model_alone(tmp_path):
+    model = HLALM(VOCAB, 16, 1, 2).double().train()
+    compile_model(model, out=tmp_path / "m.so")
+    assert model.training and model.embed.weight.dtype == torch.float64
