@@ -14,6 +14,9 @@ class Operator:
     kv_state: tuple           # state entries built from k, v alone: one per key/value head
     has_mask_ridge: bool      # accepts masked=False and ridge
 
+    def __deepcopy__(self, memo):  # immutable; copies of a model share it
+        return self
+
     @property
     def state_names(self):
         return self.ref.STATE_NAMES
