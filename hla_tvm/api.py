@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import operators, validate
+from .reference._common import fold
 
 BACKENDS = ("tvm", "torch")
 
@@ -103,27 +104,14 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     st = None if state is None else {n: x.to(work) for n, x in state.items()}
     if mask is not None and decay is not None:
-        out, st = _serial_with_padding(op, qw, kw, vw, st, decay, mask, opts)
+        out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
+                       **opts)
     else:
         if mask is not None:  # a zero token leaves every undecayed summary unchanged
             keep = mask[:, None, :, None].to(work)
             qw, kw, vw = qw * keep, kw * keep, vw * keep
         out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
     return out.to(q.dtype), st
-
-
-def _serial_with_padding(op, q, k, v, st, decay, mask, opts):
-    """Token by token; at padding the state is kept as it was and the output is zero."""
-    B, H, T, dk = q.shape
-    if st is None:
-        st = op.ref.zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
-    outs = []
-    for t in range(T):
-        o, new = op.ref.step(q[:, :, t], k[:, :, t], v[:, :, t], st, decay=decay, **opts)
-        keep = mask[:, t]
-        st = {n: torch.where(keep.view(B, *[1] * (x.dim() - 1)), new[n], x) for n, x in st.items()}
-        outs.append(o * keep.view(B, 1, 1).to(o.dtype))
-    return torch.stack(outs, 2), st
 
 
 def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):

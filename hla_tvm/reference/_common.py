@@ -43,3 +43,22 @@ def matvec(M, x):
 def vecmat(x, M):
     """x^T M for x [..., d], M [..., d, e]."""
     return (x[..., None, :] @ M)[..., 0, :]
+
+
+def fold(step, zero_state, q, k, v, state=None, mask=None, **opts):
+    """Run a one-token `step(q_t, k_t, v_t, state, **opts) -> (o_t, state)` over the sequence,
+    from `state` (zero_state(B, H, Dk, Dv, dtype, device) when None). With mask [B, T] (bool),
+    padded tokens keep the state as it was and output zeros. Returns (o [B, H, T, Dv], state)."""
+    B, H, T, dk = q.shape
+    st = state if state is not None else zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
+    outs = []
+    for t in range(T):
+        o, new = step(q[:, :, t], k[:, :, t], v[:, :, t], st, **opts)
+        if mask is not None:
+            keep = mask[:, t]
+            new = {n: torch.where(keep.view(B, *[1] * (x.dim() - 1)), new[n], st[n])
+                   for n, x in st.items()}
+            o = o * keep.view(B, 1, 1).to(o.dtype)
+        st = new
+        outs.append(o)
+    return torch.stack(outs, 2), st

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import decay_matrix, gamma, matvec, powers
+from ._common import fold, decay_matrix, gamma, matvec, powers
 
 STATE_NAMES = ("S", "C", "m", "G", "h")
 
@@ -97,14 +97,7 @@ def step(q, k, v, st, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, deca
 
 def serial(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None, state=None):
     """The serial recurrence (Algorithm 1), token by token. Returns (o [B, H, T, Dv], state)."""
-    B, H, T, dk = q.shape
-    st = state if state is not None else zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
-    outs = []
-    for t in range(T):
-        o, st = step(q[:, :, t], k[:, :, t], v[:, :, t], st, masked=masked, normalize=normalize,
-                     eps=eps, ridge=ridge, decay=decay)
-        outs.append(o)
-    return torch.stack(outs, dim=2), st
+    return fold(step, zero_state, q, k, v, state, masked=masked, normalize=normalize, eps=eps, ridge=ridge, decay=decay)
 
 
 def chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e-6, ridge=0.0,

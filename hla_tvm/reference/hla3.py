@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import causal, decay_matrix, gamma, matvec, outer, powers, vecmat
+from ._common import fold, causal, decay_matrix, gamma, matvec, outer, powers, vecmat
 
 STATE_NAMES = ("S", "P", "m", "F", "eta")
 
@@ -53,14 +53,8 @@ def step(q, k, v, st, *, normalize=False, eps=1e-6, decay=None):
 
 
 def serial(q, k, v, *, normalize=False, eps=1e-6, decay=None, state=None):
-    B, H, T, dk = q.shape
-    st = state if state is not None else zero_state(B, H, dk, v.shape[-1], q.dtype, q.device)
-    outs = []
-    for t in range(T):
-        o, st = step(q[:, :, t], k[:, :, t], v[:, :, t], st, normalize=normalize, eps=eps,
-                     decay=decay)
-        outs.append(o)
-    return torch.stack(outs, 2), st
+    """The serial recurrence (F, eta form above), token by token. Returns (o [B, H, T, Dv], state)."""
+    return fold(step, zero_state, q, k, v, state, normalize=normalize, eps=eps, decay=decay)
 
 
 def chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=None, state=None):
