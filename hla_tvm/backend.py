@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import build
-from .kernels import _tir, ahla, hla2_decay, hla3
+from .kernels import KERNELS, STATE_NAMES, _tir
 from .kernels import hla2 as K
 
 
@@ -73,16 +73,12 @@ def _scans(widths, dtype):
     return {f"chunk_scan_w{w}": _tir.chunk_scan(w, dtype=dtype) for w in widths}
 
 
-# summary -> scans -> cross -> scans -> output; "hla2d" is second order with decay
-SCAN_FAMILY = {"ahla": ahla, "hla3": hla3, "hla2d": hla2_decay}
-STATE_ORDER = {"ahla": ("P", "m", "E", "n"), "hla3": ("S", "P", "m", "F", "eta"),
-               "hla2d": ("S", "C", "m", "G", "h")}
 
 
 def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, dtype, **opts):
     """chunk_summary, chunk_cross, chunk_output and the chunk scans of operator `name`;
     opts (normalize, eps and, for hla2d, masked and ridge) shape the output kernel."""
-    kmod = SCAN_FAMILY[name]
+    kmod = KERNELS[name]
     spec = {"kind": f"{name}_prefill", "dk": dk, "dv": dv, "chunk": chunk_size, "dtype": dtype,
             **opts}
     return build.load_or_build(spec, lambda: {
@@ -96,7 +92,7 @@ def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, dtype, **opt
 def scan_family_decode_module(name, dk, dv, target, *, dtype, **opts):
     spec = {"kind": f"{name}_decode", "dk": dk, "dv": dv, "dtype": dtype, **opts}
     return build.load_or_build(spec, lambda: {
-        f"{name}_decode": SCAN_FAMILY[name].decode(dk, dv, dtype=dtype, **opts)}, target)
+        f"{name}_decode": KERNELS[name].decode(dk, dv, dtype=dtype, **opts)}, target)
 
 
 class _Chunks:
@@ -126,7 +122,7 @@ def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, **opts):
     opts = {**{n: (float(x) if n in ("eps", "ridge") else bool(x)) for n, x in opts.items()},
             "dtype": TORCH_DTYPES[q.dtype]}
     out = torch.empty(B, H, T, dv, dtype=q.dtype)
-    st = [state[x] for x in STATE_ORDER[name]]
+    st = [state[x] for x in STATE_NAMES[name]]
     if T == 1:
         mod = scan_family_decode_module(name, dk, dv, target, **opts)
         mod[f"{name}_decode"](q, k, v, gamma, *st, out)

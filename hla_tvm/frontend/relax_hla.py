@@ -12,12 +12,8 @@ import tvm
 from tvm import relax, s_tir
 from tvm.tirx import IntImm
 
-from ..kernels import _tir, ahla, hla2, hla2_decay, hla3
+from ..kernels import KERNELS, _tir, hla2
 from ..schedule import cpu
-
-STATE = {"hla2": ("S", "C", "m", "G", "h"), "hla2d": ("S", "C", "m", "G", "h"),
-         "ahla": ("P", "m", "E", "n"), "hla3": ("S", "P", "m", "F", "eta")}
-
 
 def _add(bb, name, func):
     """Schedule `func` with the default CPU rules and add it to the module under `name`."""
@@ -65,8 +61,8 @@ def emit_hla(bb, name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     st_ty = [_tt(sh, acc) for sh in st_sh]
     out_ty = _tt([B, H, T, dv], dtype)
     if decode:
-        kmod = {"hla2": hla2, "hla2d": hla2_decay, "ahla": ahla, "hla3": hla3}[name]
-        gv = _add(bb, f"{name}_decode_{tag}", kmod.decode(dk, dv, dtype=dtype, **opts))
+        gv = _add(bb, f"{name}_decode_{tag}",
+                  KERNELS[name].decode(dk, dv, dtype=dtype, **opts))
         args = [q, k, v] + ([] if name == "hla2" else [gamma]) + list(state)
         first = len(args) - len(state)
         res = bb.emit(relax.call_tir_inplace(gv, args, list(range(first, len(args))) + [-1],
@@ -96,7 +92,7 @@ def emit_hla(bb, name, q, k, v, state, gamma, *, chunk, dtype, **opts):
 def _emit_scan_family(bb, name, tag, q, k, v, state, gamma, chunk, dtype, opts, e, st_sh,
                       out_ty, dk, dv):
     """summary -> scans of the prefix sums -> cross -> scans of the cross states -> output."""
-    kmod = {"hla2d": hla2_decay, "ahla": ahla, "hla3": hla3}[name]
+    kmod = KERNELS[name]
     acc = _tir.accum_dtype(dtype)
     kk, kv, vec = (dk, dk), (dk, dv), (dk,)
     summary_out = {"hla2d": [kk, kv, vec, kk, kv, vec], "ahla": [kk, kv, vec, kv, vec],
