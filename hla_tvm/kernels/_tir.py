@@ -160,3 +160,17 @@ def decay_axpy(X, g, a, scale, y, x, bh, B, H, rows, name):
             vi = T.axis.spatial(rows, i)
             X[vb, vh, vi] = g[vh] * X[vb, vh, vi] + scale * a[vi]
             y[0] = y[0] + x[vi] * X[vb, vh, vi]
+
+
+@T.macro
+def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name):
+    """dst[i] = sum_r a[i, r] x[r] for one chunk (a[r, i] when a_transposed)."""
+    for i, r in T.grid(rows, red):
+        with T.sblock(name):
+            vb, vh, vc, vi, vr = T.axis.remap("SSSSR", [b, hh, c, i, r])
+            with T.init():
+                dst[vb, vh, vc, vi] = const(0, dst.dtype)
+            if a_transposed:
+                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vr, vi] * x[vb, vh, vc, vr]
+            else:
+                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vi, vr] * x[vb, vh, vc, vr]

@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 
 from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
     load_token as _load_token, decay_axpy as _decay_axpy, \
-    decay_outer as _decay_outer, const, gpow, matmul as _matmul, \
+    decay_outer as _decay_outer, const, gpow, matmul as _matmul, matvec as _matvec, \
     stage as _stage, transpose as _transpose
 
 
@@ -124,12 +124,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
             _matmul(R, Kc, Qc, b, hh, c, dk, dk, n, True, "R")
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
-            for i, s in T.grid(dk, n):
-                with T.sblock("dm"):
-                    vb, vh, vc, vi, vs = T.axis.remap("SSSSR", [b, hh, c, i, s])
-                    with T.init():
-                        dm[vb, vh, vc, vi] = _c(0)
-                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vs] * tail[vb, vh, vc, vs]
+            _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):
                 with T.sblock("A"):
@@ -137,18 +132,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
             _matmul(AV, A, Vt, b, hh, c, n, dv, n, False, "AV")
             _matmul(dE, Kc, AV, b, hh, c, dk, dv, n, True, "dE")
-            for t, s in T.grid(n, n):
-                with T.sblock("At"):
-                    vb, vh, vc, vt, vs = T.axis.remap("SSSSR", [b, hh, c, t, s])
-                    with T.init():
-                        At[vb, vh, vc, vt] = _c(0)
-                    At[vb, vh, vc, vt] = At[vb, vh, vc, vt] + A[vb, vh, vc, vt, vs] * tail[vb, vh, vc, vs]
-            for i, t in T.grid(dk, n):
-                with T.sblock("dn"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
-                    with T.init():
-                        dn[vb, vh, vc, vi] = _c(0)
-                    dn[vb, vh, vc, vi] = dn[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vt] * At[vb, vh, vc, vt]
+            _matvec(At, A, tail, b, hh, c, n, n, False, "At")
+            _matvec(dn, KT, At, b, hh, c, dk, n, False, "dn")
 
     return ahla_chunk_summary
 
@@ -156,7 +141,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
 def chunk_cross(dk: int, dv: int, *, dtype="float32"):
     """Cross-term increments of E and n per chunk: ddE = gl R Pc + dE, ddn = gl R mc + dn."""
     acc = accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def ahla_chunk_cross(R_h: T.handle, Pc_h: T.handle, mc_h: T.handle, dE_h: T.handle,
@@ -180,12 +164,7 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
                 with T.sblock("ddE"):
                     vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
                     ddE[vb, vh, vc, vi, vj] = gl[vb, vh, vc] * RP[vb, vh, vc, vi, vj] + dE[vb, vh, vc, vi, vj]
-            for i, j in T.grid(dk, dk):
-                with T.sblock("Rm"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
-                    with T.init():
-                        Rm[vb, vh, vc, vi] = _c(0)
-                    Rm[vb, vh, vc, vi] = Rm[vb, vh, vc, vi] + R[vb, vh, vc, vi, vj] * mc[vb, vh, vc, vj]
+            _matvec(Rm, R, mc, b, hh, c, dk, dk, False, "Rm")
             for i in T.serial(dk):
                 with T.sblock("ddn"):
                     vb, vh, vc, vi = T.axis.remap("SSSS", [b, hh, c, i])

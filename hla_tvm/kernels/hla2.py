@@ -21,7 +21,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, load_token as _load_token, const, matmul as _matmul, stage as _stage, \
+from ._tir import PRESCHEDULED, accum_dtype, load_token as _load_token, const, matmul as _matmul, matvec as _matvec, stage as _stage, \
     transpose as _transpose
 
 
@@ -195,12 +195,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                         A1[vb, vh, vc, vj] = _c(0)
                     A1[vb, vh, vc, vj] = A1[vb, vh, vc, vj] + A[vb, vh, vc, vj, vs]
             _matmul(dX, Kc, AV, b, hh, c, dk, dv, n, True, "dX")
-            for i, j in T.grid(dk, n):
-                with T.sblock("dr"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
-                    with T.init():
-                        dr[vb, vh, vc, vi] = _c(0)
-                    dr[vb, vh, vc, vi] = dr[vb, vh, vc, vi] + Kc[vb, vh, vc, vj, vi] * A1[vb, vh, vc, vj]
+            _matvec(dr, Kc, A1, b, hh, c, dk, n, True, "dr")
 
     return hla2_chunk_summary
 

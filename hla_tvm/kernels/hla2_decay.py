@@ -24,7 +24,7 @@ import functools
 from tvm.script import tirx as T
 
 from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
-    load_token as _load_token, chunk_len, const, gpow, matmul as _matmul, \
+    load_token as _load_token, chunk_len, const, gpow, matmul as _matmul, matvec as _matvec, \
     stage as _stage, transpose as _transpose
 
 
@@ -196,12 +196,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     Vt1[vb, vh, vc, vs, vx] = tail1[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dC, Qc, Vt, b, hh, c, dk, dv, n, True, "dC")
-            for i, s in T.grid(dk, n):
-                with T.sblock("dm"):
-                    vb, vh, vc, vi, vs = T.axis.remap("SSSSR", [b, hh, c, i, s])
-                    with T.init():
-                        dm[vb, vh, vc, vi] = _c(0)
-                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + QT[vb, vh, vc, vi, vs] * tail[vb, vh, vc, vs]
+            _matvec(dm, QT, tail, b, hh, c, dk, n, False, "dm")
             _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
             _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
             for j, s in T.grid(n, n):
@@ -210,18 +205,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     Bs[vb, vh, vc, vj, vs] = T.Select(vs < vj, KQ[vb, vh, vc, vj, vs], _c(0))
             _matmul(BV, Bs, Vt1, b, hh, c, n, dv, n, False, "BV")
             _matmul(dG, Kc, BV, b, hh, c, dk, dv, n, True, "dG")
-            for j, s in T.grid(n, n):
-                with T.sblock("B1"):
-                    vb, vh, vc, vj, vs = T.axis.remap("SSSSR", [b, hh, c, j, s])
-                    with T.init():
-                        B1[vb, vh, vc, vj] = _c(0)
-                    B1[vb, vh, vc, vj] = B1[vb, vh, vc, vj] + Bs[vb, vh, vc, vj, vs] * tail1[vb, vh, vc, vs]
-            for i, j in T.grid(dk, n):
-                with T.sblock("dh"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
-                    with T.init():
-                        dh[vb, vh, vc, vi] = _c(0)
-                    dh[vb, vh, vc, vi] = dh[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vj] * B1[vb, vh, vc, vj]
+            _matvec(B1, Bs, tail1, b, hh, c, n, n, False, "B1")
+            _matvec(dh, KT, B1, b, hh, c, dk, n, False, "dh")
 
     return hla2d_chunk_summary
 
@@ -357,12 +342,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
             _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC")
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV")
             if normalize:
-                for t, i in T.grid(n, dk):
-                    with T.sblock("Km"):
-                        vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
-                        with T.init():
-                            Km[vb, vh, vc, vt] = _c(0)
-                        Km[vb, vh, vc, vt] = Km[vb, vh, vc, vt] + Kc[vb, vh, vc, vt, vi] * mc[vb, vh, vc, vi]
+                _matvec(Km, Kc, mc, b, hh, c, n, dk, False, "Km")
                 for t, j in T.grid(n, dk + n):
                     with T.sblock("den"):
                         vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])

@@ -26,7 +26,7 @@ from tvm.script import tirx as T
 
 from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
     load_token as _load_token, decay_axpy as _decay_axpy, \
-    decay_outer as _decay_outer, const, gpow, matmul as _matmul, \
+    decay_outer as _decay_outer, const, gpow, matmul as _matmul, matvec as _matvec, \
     stage as _stage, transpose as _transpose
 
 
@@ -154,12 +154,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
-            for i, s in T.grid(dk, n):
-                with T.sblock("dm"):
-                    vb, vh, vc, vi, vs = T.axis.remap("SSSSR", [b, hh, c, i, s])
-                    with T.init():
-                        dm[vb, vh, vc, vi] = _c(0)
-                    dm[vb, vh, vc, vi] = dm[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vs] * tail[vb, vh, vc, vs]
+            _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
             _matmul(A1, Qc, Qg, b, hh, c, dk, dk, n, True, "A1")
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
@@ -175,12 +170,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                     with T.init():
                         wg1[vb, vh, vc, vt] = _c(0)
                     wg1[vb, vh, vc, vt] = wg1[vb, vh, vc, vt] + WG[vb, vh, vc, vt, vs]
-            for i, t in T.grid(dk, n):
-                with T.sblock("a2"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
-                    with T.init():
-                        a2[vb, vh, vc, vi] = _c(0)
-                    a2[vb, vh, vc, vi] = a2[vb, vh, vc, vi] + Qc[vb, vh, vc, vt, vi] * wg1[vb, vh, vc, vt]
+            _matvec(a2, Qc, wg1, b, hh, c, dk, n, True, "a2")
             _matmul(WTQ, WG, Qc, b, hh, c, n, dk, n, True, "WTQ")
             _matmul(A3, Kc, WTQ, b, hh, c, dk, dk, n, True, "A3")
             for t, x in T.grid(n, dv):
@@ -196,12 +186,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
                         wtw1[vb, vh, vc, vj] = _c(0)
                     wtw1[vb, vh, vc, vj] = wtw1[vb, vh, vc, vj] \
                         + WG[vb, vh, vc, vt, vj] * tail[vb, vh, vc, vt] * wg1[vb, vh, vc, vt]
-            for i, j in T.grid(dk, n):
-                with T.sblock("a4"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
-                    with T.init():
-                        a4[vb, vh, vc, vi] = _c(0)
-                    a4[vb, vh, vc, vi] = a4[vb, vh, vc, vi] + KT[vb, vh, vc, vi, vj] * wtw1[vb, vh, vc, vj]
+            _matvec(a4, KT, wtw1, b, hh, c, dk, n, False, "a4")
 
     return hla3_chunk_summary
 
