@@ -1,4 +1,24 @@
-"""The custom ONNX operator `hla_tvm::HLA` (domain hla_tvm, version 1)."""
-from .function import DOMAIN, OP_TYPE, make_function, overload_name
+"""The custom ONNX operator `hla_tvm::HLA` (domain hla_tvm, version 1): its schema, its function
+bodies in standard ONNX, export of `hla_tvm.nn` models, and compiling such ONNX models with TVM.
 
-__all__ = ["DOMAIN", "OP_TYPE", "make_function", "overload_name"]
+    hla_tvm.onnx.export(model, "model.onnx", example_tokens, decode=False)
+    hla_tvm.onnx.compile("model.onnx", target="llvm", out="model.so")   # hla_tvm.runtime.load
+"""
+from . import schema
+from .function import (DOMAIN, OP_TYPE, add_functions, check, check_functions, make_function,
+                       node, node_variant, overload_name)
+
+schema.register()
+
+__all__ = ["DOMAIN", "OP_TYPE", "add_functions", "check", "check_functions", "make_function",
+           "node", "node_variant", "overload_name", "export", "compile", "to_relax"]
+
+
+def __getattr__(name):
+    if name == "export":
+        from .export import export
+        return export
+    if name in ("compile", "to_relax"):
+        from . import importer
+        return getattr(importer, name)
+    raise AttributeError(name)

@@ -1,12 +1,19 @@
 """Function bodies of `hla_tvm::HLA` in standard ONNX (opset 18): the serial recurrence as a Scan
 over time, so any conforming runtime runs a model that carries them (ModelProto.functions).
 
-Node: HLA(q [B, H, T, Dk], k, v [B, H, T, Dv], decay [H], *state) -> (o [B, H, T, Dv], *state),
-attributes eps, ridge (float). The body's structure depends on order, asymmetric, masked and
-normalize, so each combination is its own FunctionProto, told apart by the node's and the
-function's `overload` (`overload_name`). State entries, in order: second order S, C, m, G, h;
-AHLA P, m, E, n; third order S, P, m, F, eta (as `hla_tvm.reference`). decay holds one gamma per
-head (ones for none). The recurrences are those of `hla_tvm.reference.{hla2, ahla, hla3}.step`."""
+    HLA(q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], decay? [H], *state?)
+        -> (o [B, H, T, Dv], *state)
+
+Attributes: order (2 or 3), asymmetric, masked, normalize (0/1), eps, ridge, decay (floats).
+The optional input `decay` (one gamma per query head) replaces the scalar attribute; state inputs
+are all given or all omitted (omitted: a fresh sequence, zeros). State entries, in order: second
+order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as `hla_tvm.reference`);
+entries built from k, v alone (`operators` kv_state) have Hkv heads. The recurrences are those of
+`hla_tvm.reference.{hla2, ahla, hla3}.step`, float32.
+
+The body's structure depends on the structural attributes and on which optional inputs are
+present, so each combination is its own FunctionProto, told apart by the node's and the
+function's `overload` (`overload_name`); `add_functions` attaches the ones a model's nodes use."""
 from __future__ import annotations
 
 import onnx
@@ -21,8 +28,15 @@ STATE_NAMES = {(2, False): ("S", "C", "m", "G", "h"), (2, True): ("P", "m", "E",
 VECTOR_STATES = {"m", "h", "n", "eta"}    # [B, H, d]; the others are [B, H, d, e]
 
 
-def overload_name(order, asymmetric, masked, normalize):
-    return f"o{order}a{int(asymmetric)}m{int(masked)}n{int(normalize)}"
+ATTRIBUTES = {"order": 2, "asymmetric": 0, "masked": 1, "normalize": 0, "eps": 1e-6,
+              "ridge": 0.0, "decay": 1.0}
+INT64_MAX = 2 ** 63 - 1
+
+
+def overload_name(order, asymmetric, masked, normalize, decay_input=False, state_input=False):
+    """The overload of one variant, e.g. o2a0m1n0 (+ "_g" with a decay input, "_s" with state)."""
+    return (f"o{order}a{int(asymmetric)}m{int(masked)}n{int(normalize)}"
+            + ("_g" if decay_input else "") + ("_s" if state_input else ""))
 
 
 class _Body:
@@ -105,26 +119,75 @@ def _step(b, op, st, q, k, v, g4, g3, masked, normalize, eps, ridge):
     return new, out
 
 
-def make_function(order=2, asymmetric=False, masked=True, normalize=False):
-    """The FunctionProto of `hla_tvm::HLA` for one operator variant (see the module docstring)."""
+def _kv_state(order, asymmetric):
+    from .. import operators
+
+    return set(operators.get(order, asymmetric).kv_state)
+
+
+def _shape_of(b, name, shapes):
+    """Shape(...) pieces: B, H (of q), dk, dv as int64 [1] tensors (computed once)."""
+    if not shapes:
+        sq, sv = b.emit("Shape", ["q"]), b.emit("Shape", ["v"])
+        sk = b.emit("Shape", ["k"])
+        part = lambda s, i: b.emit("Slice", [s, b.const([i]), b.const([i + 1])])  # noqa: E731
+        shapes.update(B=part(sq, 0), H=part(sq, 1), Hkv=part(sk, 1), dk=part(sq, 3),
+                      dv=part(sv, 3))
+        shapes["G"] = b.emit("Div", [shapes["H"], shapes["Hkv"]])
+    return shapes[name]
+
+
+def _repeat_heads(b, x, shapes):
+    """[B, Hkv, ...] -> [B, H, ...], each key/value head repeated H / Hkv times in place."""
+    sx = b.emit("Shape", [x])
+    lead = b.emit("Slice", [sx, b.const([0]), b.const([2])])
+    rest = b.emit("Slice", [sx, b.const([2]), b.const([INT64_MAX])])
+    wide = b.emit("Expand", [b.unsq(x, 2),
+                             b.emit("Concat", [lead, _shape_of(b, "G", shapes), rest], axis=0)])
+    return b.emit("Reshape", [wide, b.emit("Concat", [b.const([0, -1]), rest], axis=0)])
+
+
+def _first_of_group(b, x, shapes):
+    """[B, H, ...] -> [B, Hkv, ...]: the first query head of each group."""
+    return b.emit("Slice", [x, b.const([0]), b.const([INT64_MAX]), b.const([1]),
+                            _shape_of(b, "G", shapes)])
+
+
+def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
+                  state_input=True):
+    """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring)."""
     op = (order, asymmetric)
     if op not in STATE_NAMES:
         raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator")
     names = STATE_NAMES[op]
-    outer = _Body("f")
-    eps = outer.emit("Constant", [], value_float=1e-6)
-    outer.nodes[-1].attribute[0].ref_attr_name = "eps"
-    ridge = outer.emit("Constant", [], value_float=0.0)
-    outer.nodes[-1].attribute[0].ref_attr_name = "ridge"
-    g4 = outer.emit("Reshape", ["decay", outer.const([1, -1, 1, 1])])   # [1, H, 1, 1]
-    g3 = outer.emit("Reshape", ["decay", outer.const([1, -1, 1])])      # [1, H, 1]
+    kv = _kv_state(order, asymmetric)
+    outer, shapes = _Body("f"), {}
+
+    def attr_const(name):
+        out = outer.emit("Constant", [], value_float=0.0)
+        outer.nodes[-1].attribute[0].ref_attr_name = name
+        return out
+
+    eps, ridge = attr_const("eps"), attr_const("ridge")
+    gamma = "decay" if decay_input else attr_const("decay")
+    g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
+    g3 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1])])
+    k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
     perm = [2, 0, 1, 3]
-    qT, kT, vT = (outer.emit("Transpose", [x], perm=perm) for x in ("q", "k", "v"))
+    qT, kT, vT = (outer.emit("Transpose", [x], perm=perm) for x in ("q", k, v))
+    if state_input:
+        init = [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
+    else:
+        dims = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
+                else ("B", "H", "dk") for n in names]
+        init = [outer.emit("ConstantOfShape", [outer.emit(
+            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in dims]
 
     body = _Body("s")
     st_in = [f"st_{n}" for n in names]
     new, out = _step(body, op, st_in, "q_t", "k_t", "v_t", g4, g3, masked, normalize, eps, ridge)
     outs = [body.emit("Identity", [x]) for x in new] + [body.emit("Identity", [out])]
+
     def typed(name, rank):  # float32, symbolic dims
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
 
@@ -133,25 +196,114 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False):
         body.nodes, "hla_step",
         [typed(x, r) for x, r in zip(st_in, ranks)] + [typed(x, 3) for x in ("q_t", "k_t", "v_t")],
         [typed(x, r) for x, r in zip(outs, ranks + [3])])
-    res = outer.emit("Scan", [f"{n}_in" for n in names] + [qT, kT, vT], n_out=len(names) + 1,
-                     body=graph, num_scan_inputs=3)
+    res = outer.emit("Scan", init + [qT, kT, vT], n_out=len(names) + 1, body=graph,
+                     num_scan_inputs=3)
     o = outer.emit("Transpose", [res[-1]], perm=[1, 2, 0, 3])
     outer.nodes.append(helper.make_node("Identity", [o], ["o"]))
     for n, r in zip(names, res[:-1]):
+        r = _first_of_group(outer, r, shapes) if n in kv else r
         outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
-    fn = helper.make_function(DOMAIN, OP_TYPE, ["q", "k", "v", "decay"] + [f"{n}_in" for n in names],
-                              ["o"] + [f"{n}_out" for n in names], outer.nodes,
-                              [helper.make_opsetid("", OPSET)], attributes=["eps", "ridge"],
-                              overload=overload_name(order, asymmetric, masked, normalize))
-    return fn
+    defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
+    return helper.make_function(
+        DOMAIN, OP_TYPE, ["q", "k", "v", "decay"] + [f"{n}_in" for n in names],
+        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", OPSET)],
+        attribute_protos=defaults,
+        overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
 
 
 def node(inputs, outputs, *, order=2, asymmetric=False, masked=True, normalize=False, eps=1e-6,
-         ridge=0.0, name=None):
-    """A `hla_tvm::HLA` NodeProto calling the matching function overload."""
-    return helper.make_node(OP_TYPE, inputs, outputs, domain=DOMAIN, name=name,
-                            overload=overload_name(order, asymmetric, masked, normalize),
-                            eps=float(eps), ridge=float(ridge))
+         ridge=0.0, decay=1.0, name=None):
+    """A `hla_tvm::HLA` NodeProto; inputs q, k, v[, decay or "", *state]. Its overload is set
+    from the attributes and the inputs present."""
+    inputs = list(inputs) + [""] * (4 - len(inputs))   # decay is "" when absent
+    decay_input, state_input = inputs[3] != "", len(inputs) > 4
+    return helper.make_node(
+        OP_TYPE, inputs, outputs, domain=DOMAIN, name=name,
+        overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input),
+        order=int(order), asymmetric=int(asymmetric), masked=int(masked),
+        normalize=int(normalize), eps=float(eps), ridge=float(ridge), decay=float(decay))
+
+def describe(node):
+    """`node`'s name for error messages."""
+    return f"HLA node {node.name or '(unnamed)'!r} ({node.domain}::{node.op_type})"
+
+
+def node_variant(node):
+    """The variant of a `hla_tvm::HLA` node: dict(order, asymmetric, masked, normalize, eps,
+    ridge, decay, decay_input, state_input, overload); ValueError naming the node when an
+    attribute value, the input count or the output count is not one the operator has."""
+    attrs = dict(ATTRIBUTES)
+    for a in node.attribute:
+        if a.name not in ATTRIBUTES:
+            raise ValueError(f"{describe(node)}: unknown attribute {a.name!r}; the operator has "
+                             f"{sorted(ATTRIBUTES)}")
+        attrs[a.name] = helper.get_attribute_value(a)
+    order, asym = attrs["order"], attrs["asymmetric"]
+    if (order, bool(asym)) not in STATE_NAMES or asym not in (0, 1):
+        raise ValueError(f"{describe(node)}: order={order}, asymmetric={asym} is not an HLA "
+                         "operator (order 2 with asymmetric 0 or 1, or order 3 with asymmetric 0)")
+    for flag in ("masked", "normalize"):
+        if attrs[flag] not in (0, 1):
+            raise ValueError(f"{describe(node)}: {flag} must be 0 or 1, got {attrs[flag]}")
+    if (order, asym) != (2, 0) and (not attrs["masked"] or attrs["ridge"]):
+        raise ValueError(f"{describe(node)}: masked=0 and ridge apply to symmetric second order "
+                         "only")
+    if not 0.0 < attrs["decay"] <= 1.0:
+        raise ValueError(f"{describe(node)}: decay must lie in (0, 1], got {attrs['decay']}")
+    names = STATE_NAMES[(order, bool(asym))]
+    n_in, n_out = len(node.input), len(node.output)
+    if n_in not in (4, 4 + len(names)):
+        raise ValueError(f"{describe(node)}: takes q, k, v, decay (\"\" for none) and optionally "
+                         f"all {len(names)} state tensors ({', '.join(names)}): 4 or "
+                         f"{4 + len(names)} inputs, got {n_in}")
+    if not 1 <= n_out <= 1 + len(names):
+        raise ValueError(f"{describe(node)}: returns o and up to {len(names)} state tensors, "
+                         f"got {n_out} outputs")
+    attrs.update(asymmetric=bool(asym), masked=bool(attrs["masked"]),
+                 normalize=bool(attrs["normalize"]),
+                 decay_input=node.input[3] != "", state_input=n_in > 4)
+    attrs["overload"] = overload_name(order, asym, attrs["masked"], attrs["normalize"],
+                                      attrs["decay_input"], attrs["state_input"])
+    if node.overload and node.overload != attrs["overload"]:
+        raise ValueError(f"{describe(node)}: overload {node.overload!r} does not match its "
+                         f"attributes and inputs (expected {attrs['overload']!r})")
+    return attrs
+
+
+def hla_nodes(graph):
+    """The `hla_tvm::HLA` nodes of `graph` (top level)."""
+    return [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+
+
+def add_functions(model):
+    """Attach the function body every `hla_tvm::HLA` node of `model` needs (setting each node's
+    overload; bodies already present are kept) and import the hla_tvm domain. Returns model."""
+    have = {(f.domain, f.name, f.overload) for f in model.functions}
+    for n in hla_nodes(model.graph):
+        var = node_variant(n)
+        n.overload = var["overload"]
+        if (DOMAIN, OP_TYPE, var["overload"]) not in have:
+            model.functions.append(make_function(
+                var["order"], var["asymmetric"], var["masked"], var["normalize"],
+                var["decay_input"], var["state_input"]))
+            have.add((DOMAIN, OP_TYPE, var["overload"]))
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def check_functions(model):
+    """ValueError naming the first `hla_tvm::HLA` node whose function body the model lacks
+    (without one, ONNX Runtime and other runtimes cannot run the node)."""
+    have = {(f.domain, f.name, f.overload) for f in model.functions}
+    for n in hla_nodes(model.graph):
+        var = node_variant(n)
+        if (DOMAIN, OP_TYPE, n.overload) not in have:
+            raise ValueError(
+                f"{describe(n)}: the model carries no function body for overload "
+                f"{n.overload or '(none)'!r} (expected {var['overload']!r}), so a runtime "
+                "without hla_tvm cannot run it; add it with hla_tvm.onnx.add_functions(model)")
+    return model
 
 
 def check(model):
