@@ -16,7 +16,7 @@ def test_custom_op_matches_reference_and_differentiates(order, asym, ref):
     names = state_names(order, asym)
     zero = ref.zero_state(1, 2, 4, 3)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, st = hla_op(*xs, [zero[n] for n in names], None, order, asym, True, False, 1e-6, 0.0, 5)
+    out, *st = hla_op(*xs, [zero[n] for n in names], None, order, asym, True, False, 1e-6, 0.0, 5)
     assert rel_err(out, ref.quadratic(q, k, v)) < 1e-12
     w = torch.randn_like(out)
     (out * w).sum().backward()
@@ -33,8 +33,8 @@ def test_custom_op_gradient_through_the_state():
     names = state_names()
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     zero = [hla2.zero_state(1, 1, 3, 2)[n] for n in names]
-    _, st = hla_op(*(x[:, :, :6] for x in xs), zero, None, 2, False, True, False, 1e-6, 0.0, 4)
-    out, _ = hla_op(*(x[:, :, 6:] for x in xs), st, None, 2, False, True, False, 1e-6, 0.0, 4)
+    _, *st = hla_op(*(x[:, :, :6] for x in xs), zero, None, 2, False, True, False, 1e-6, 0.0, 4)
+    out, *_ = hla_op(*(x[:, :, 6:] for x in xs), st, None, 2, False, True, False, 1e-6, 0.0, 4)
     out.sum().backward()
     ys = [x.clone().requires_grad_() for x in (q, k, v)]
     hla2.quadratic(*ys)[:, :, 6:].sum().backward()

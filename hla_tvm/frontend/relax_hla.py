@@ -12,6 +12,7 @@ import tvm
 from tvm import relax, s_tir
 from tvm.tirx import IntImm
 
+from .. import operators
 from ..kernels import KERNELS, _tir, hla2
 from ..schedule import cpu
 
@@ -147,3 +148,32 @@ def _emit_scan_family(bb, name, tag, q, k, v, state, gamma, chunk, dtype, opts, 
         scan(h, bb.emit(relax.TupleGetItem(cr, 1)))
     o = bb.emit(relax.call_tir(go, [q, k, v, gamma, Sc, Cc, mc, Gc, hc], out_ty))
     return o, [S2, C2, m2, G2, h2]
+
+
+def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
+                  normalize=False, eps=1e-6, ridge=0.0, chunk=64):
+    """(o, new_state list) of one HLA operator call with grouped key/value heads: q [B, H, T, Dk],
+    k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], state entries in `state_names` order (k/v-only entries
+    with Hkv heads), decay: per-query-head gamma [H] or None. The kernels run H heads: k, v and
+    the k/v-only entries are repeated, and the new k/v-only entries keep each group's first."""
+    op = operators.get(order, asymmetric)
+    H, Hkv = int(q.ty.shape[1]), int(k.ty.shape[1])
+    group = H // Hkv
+    names = op.state_names
+    if group > 1:
+        k, v = (bb.emit(relax.op.repeat(x, group, axis=1)) for x in (k, v))
+        state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s
+                 for n, s in zip(names, state)]
+    opts = dict(normalize=bool(normalize), eps=float(eps))
+    name = op.name
+    if op.has_mask_ridge:
+        opts.update(masked=bool(masked), ridge=float(ridge))
+        if decay is not None:
+            name = "hla2d"
+    out, new_state = emit_hla(bb, name, q, k, v, list(state), decay, chunk=int(chunk),
+                              dtype=str(q.ty.dtype), **opts)
+    if group > 1:
+        new_state = [bb.emit(relax.op.strided_slice(s, axes=[1], begin=[0], end=[H],
+                                                    strides=[group]))
+                     if n in op.kv_state else s for n, s in zip(names, new_state)]
+    return out, new_state

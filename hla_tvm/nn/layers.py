@@ -94,7 +94,7 @@ class HLAttention(nn.Module):
             state = self.init_state(B, torch.float64 if x.dtype == torch.float64 else
                                     torch.float32, x.device)
         decay = None if self.decay is None else self.decay.to(q.dtype)
-        o, st = hla_op(q.contiguous(), k.contiguous(), v.contiguous(),
+        o, *st = hla_op(q.contiguous(), k.contiguous(), v.contiguous(),
                        [state[n] for n in self.state_names], decay, self.order,
                        self.asymmetric, self.masked, self.normalize, self.eps, self.ridge,
                        self.chunk_size)

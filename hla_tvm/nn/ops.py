@@ -1,7 +1,9 @@
 """`torch.ops.hla_tvm.hla`: the HLA operator as one opaque node for torch.export.
 
     hla(q, k, v, state: list[Tensor], decay: Tensor?, order, asymmetric, masked, normalize,
-        eps, ridge, chunk_size) -> (o, new_state: list[Tensor])
+        eps, ridge, chunk_size) -> [o, *new_state]
+
+(one flat list of tensors, so exporters map it onto one node with 1 + len(state) outputs)
 
 state lists the operator's summaries in `state_names(order, asymmetric)` order (zeros for a
 fresh sequence); it runs the PyTorch reference (`hla_tvm.hla(..., backend="torch")`) and is
@@ -34,16 +36,16 @@ def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge
 def hla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: list[torch.Tensor],
            decay: torch.Tensor | None, order: int, asymmetric: bool, masked: bool,
            normalize: bool, eps: float, ridge: float, chunk_size: int
-           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+           ) -> list[torch.Tensor]:
     out, st = _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge,
                    chunk_size)
-    return out.contiguous(), [x.contiguous() for x in st]
+    return [out.contiguous()] + [x.contiguous() for x in st]
 
 
 @hla_op.register_fake
 def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return out, [torch.empty_like(x) for x in state]
+    return [out] + [torch.empty_like(x) for x in state]
 
 
 def _setup_context(ctx, inputs, output):
@@ -52,8 +54,9 @@ def _setup_context(ctx, inputs, output):
     ctx.decay, ctx.opts, ctx.n_state = decay, opts, len(state)
 
 
-def _backward(ctx, grad_out, grad_state):
+def _backward(ctx, grads_out):
     """Recompute through the differentiable reference and pull the gradients back."""
+    grad_out, grad_state = grads_out[0], grads_out[1:]
     q, k, v, *state = (x.detach().requires_grad_() for x in ctx.saved_tensors)
     with torch.enable_grad():
         out, st = _run(q, k, v, state, ctx.decay, *ctx.opts)

@@ -16,7 +16,7 @@ __all__ = ["DOMAIN", "OP_TYPE", "add_functions", "check", "check_functions", "ma
 
 def __getattr__(name):
     if name == "export":
-        from .export import export
+        from .exporter import export
         return export
     if name in ("compile", "to_relax"):
         from . import importer

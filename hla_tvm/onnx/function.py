@@ -1,11 +1,11 @@
 """Function bodies of `hla_tvm::HLA` in standard ONNX (opset 18): the serial recurrence as a Scan
 over time, so any conforming runtime runs a model that carries them (ModelProto.functions).
 
-    HLA(q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], decay? [H], *state?)
+    HLA(q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], decay_heads? [H], *state?)
         -> (o [B, H, T, Dv], *state)
 
 Attributes: order (2 or 3), asymmetric, masked, normalize (0/1), eps, ridge, decay (floats).
-The optional input `decay` (one gamma per query head) replaces the scalar attribute; state inputs
+The optional input `decay_heads` (one gamma per query head) replaces the scalar attribute; state inputs
 are all given or all omitted (omitted: a fresh sequence, zeros). State entries, in order: second
 order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as `hla_tvm.reference`);
 entries built from k, v alone (`operators` kv_state) have Hkv heads. The recurrences are those of
@@ -169,7 +169,7 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
         return out
 
     eps, ridge = attr_const("eps"), attr_const("ridge")
-    gamma = "decay" if decay_input else attr_const("decay")
+    gamma = "decay_heads" if decay_input else attr_const("decay")
     g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
     g3 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1])])
     k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
@@ -205,7 +205,7 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
         outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
     defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
     return helper.make_function(
-        DOMAIN, OP_TYPE, ["q", "k", "v", "decay"] + [f"{n}_in" for n in names],
+        DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
         ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", OPSET)],
         attribute_protos=defaults,
         overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
@@ -252,16 +252,16 @@ def node_variant(node):
         raise ValueError(f"{describe(node)}: decay must lie in (0, 1], got {attrs['decay']}")
     names = STATE_NAMES[(order, bool(asym))]
     n_in, n_out = len(node.input), len(node.output)
-    if n_in not in (4, 4 + len(names)):
-        raise ValueError(f"{describe(node)}: takes q, k, v, decay (\"\" for none) and optionally "
-                         f"all {len(names)} state tensors ({', '.join(names)}): 4 or "
-                         f"{4 + len(names)} inputs, got {n_in}")
+    if n_in not in (3, 4, 4 + len(names)):
+        raise ValueError(f"{describe(node)}: takes q, k, v, optional decay_heads (\"\" for none) "
+                         f"and optionally all {len(names)} state tensors ({', '.join(names)}): "
+                         f"3, 4 or {4 + len(names)} inputs, got {n_in}")
     if not 1 <= n_out <= 1 + len(names):
         raise ValueError(f"{describe(node)}: returns o and up to {len(names)} state tensors, "
                          f"got {n_out} outputs")
     attrs.update(asymmetric=bool(asym), masked=bool(attrs["masked"]),
                  normalize=bool(attrs["normalize"]),
-                 decay_input=node.input[3] != "", state_input=n_in > 4)
+                 decay_input=n_in > 3 and node.input[3] != "", state_input=n_in > 4)
     attrs["overload"] = overload_name(order, asym, attrs["masked"], attrs["normalize"],
                                       attrs["decay_input"], attrs["state_input"])
     if node.overload and node.overload != attrs["overload"]:

@@ -9,6 +9,7 @@ from onnx import defs
 from .function import ATTRIBUTES, DOMAIN, OP_TYPE, STATE_NAMES, VECTOR_STATES
 
 VERSION = 1
+MAX_STATE = max(len(n) for n in STATE_NAMES.values())
 
 DOC = """Higher-order linear attention (arXiv 2510.27258) over [B, H, T, D] heads: o and the final
 recurrent state. order 2: second-order HLA (asymmetric=1: AHLA); order 3: third order. State
@@ -74,11 +75,15 @@ def schema():
         OP_TYPE, DOMAIN, VERSION, DOC,
         inputs=[P("q", "T", "queries [B, H, T, Dk]"), P("k", "T", "keys [B, Hkv, T, Dk]"),
                 P("v", "T", "values [B, Hkv, T, Dv]"),
-                P("decay", "T", "per-head decay [H]", param_option=Opt.Optional),
-                P("state", "T", "state in (all entries or none)", param_option=Opt.Variadic,
-                  min_arity=0)],
-        outputs=[P("o", "T", "output [B, H, T, Dv]"),
-                 P("state_out", "T", "final state", param_option=Opt.Variadic, min_arity=0)],
+                P("decay_heads", "T", "per-head decay [H] (replaces the decay attribute)", param_option=Opt.Optional),
+            ] + [P(f"state_{i}", "T", f"state entry {i} in (all entries or none)",
+                   param_option=Opt.Optional) for i in range(MAX_STATE)],
+        # state entries are separate optional parameters, not variadics: torch.onnx's
+        # exporter maps a variadic input onto every argument and makes one variadic output
+        outputs=[P("o", "T", "output [B, H, T, Dv]")] + [
+            P(f"state_out_{i}", "T", f"final state entry {i} (second order S, C, m, G, h; AHLA "
+              "P, m, E, n; third order S, P, m, F, eta)", param_option=Opt.Optional)
+            for i in range(MAX_STATE)],
         type_constraints=[("T", ["tensor(float)"], "float32")],
         attributes=[_attribute(n, d) for n, d in ATTRIBUTES.items()]
     ).set_type_and_shape_inference_function(infer)

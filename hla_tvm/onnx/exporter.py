@@ -1,0 +1,109 @@
+"""`hla_tvm.onnx.export`: an `hla_tvm` PyTorch model to an ONNX file whose HLA layers are
+`hla_tvm::HLA` nodes (torch.onnx's dynamo exporter with a custom translation for
+`torch.ops.hla_tvm.hla`), carrying the operator's function bodies so any ONNX runtime runs it.
+
+For an HLALM-like model (forward(tokens, state), init_state(batch)) the graph is
+    prefill: tokens [B, T] int64, *state -> logits [B, T, vocab], *state     (decode=False)
+    decode:  tokens [B] int64,    *state -> logits [B, vocab], *state        (decode=True)
+with dynamic B and T; state entries are named like `hla_tvm.compile`'s (layer0.S, ...) and the
+outputs `<name>.out`. The model's config and state layout go into metadata_props."""
+from __future__ import annotations
+
+import copy
+import json
+
+import onnx
+import torch
+
+from . import function, schema
+
+FORMAT = "hla_tvm.onnx/1"
+META_FORMAT, META_ENTRY, META_STATE, META_CONFIG = (
+    "hla_tvm.format", "hla_tvm.entry", "hla_tvm.state", "hla_tvm.config")
+
+
+def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge,
+               chunk_size):
+    """torch.ops.hla_tvm.hla -> one hla_tvm::HLA node (chunk_size is a PyTorch-side detail)."""
+    import onnxscript
+
+    hla = onnxscript.values.Opset(function.DOMAIN, schema.VERSION)
+    outs = hla.HLA(q, k, v, decay, *state, order=int(order), asymmetric=int(asymmetric),
+                   masked=int(masked), normalize=int(normalize), eps=float(eps),
+                   ridge=float(ridge))
+    return list(outs[:1 + len(state)])
+
+
+def translation_table():
+    """The custom_translation_table entry torch.onnx.export needs for hla_tvm models."""
+    from .. import nn  # noqa: F401  (registers torch.ops.hla_tvm.hla)
+
+    return {torch.ops.hla_tvm.hla.default: _translate}
+
+
+def _example_tokens(example_tokens, decode):
+    if example_tokens is None:
+        example_tokens = torch.zeros(2, 1 if decode else 8, dtype=torch.int64)
+    tokens = torch.as_tensor(example_tokens)
+    if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() not in (1, 2):
+        raise ValueError(f"example_tokens must be an integer tensor [B, T] (or [B] for decode), "
+                         f"got {tokens.dtype} {list(tokens.shape)}")
+    tokens = tokens.long()
+    if decode:
+        return tokens.reshape(tokens.shape[0], -1)[:, -1].contiguous()
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if tokens.shape[1] < 2:   # torch.export specialises a length-1 axis
+        tokens = tokens.repeat(1, 2)
+    return tokens
+
+
+def _trim_unused_outputs(proto):
+    """Drop the trailing outputs of HLA nodes that nothing reads (the schema declares the most
+    any variant has)."""
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    for n in function.hla_nodes(proto.graph):
+        while len(n.output) > 1 and n.output[-1] not in used:
+            n.output.pop()
+
+
+def export(model, path, example_tokens=None, *, decode=False):
+    """Write `model` (an HLALM-like `hla_tvm` model) to `path` as ONNX; returns the ModelProto.
+
+    example_tokens: int tensor [B, T] used to trace (any values; default zeros [2, 8]);
+    decode=True exports the one-token step. Batch and length stay dynamic."""
+    from torch.export import Dim
+
+    from ..compile import _Decode, _Prefill, _flatten, flat_state_spec
+
+    for attr in ("init_state", "forward"):
+        if not callable(getattr(model, attr, None)):
+            raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
+                            f"state) and init_state(batch); {type(model).__name__} has no {attr}")
+    model = copy.deepcopy(model).eval().float()
+    layout = [tuple(layer) for layer in model.init_state(1)]
+    tokens = _example_tokens(example_tokens, decode)
+    B = tokens.shape[0]
+    state = _flatten(model.init_state(B))
+    spec = flat_state_spec(model)
+    batch = Dim("batch", min=1)
+    tok_dims = {0: batch} if decode else {0: batch, 1: Dim("seq", min=2)}
+    wrapper = (_Decode if decode else _Prefill)(model, layout)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper, (tokens, *state), dynamo=True, opset_version=function.OPSET,
+            custom_translation_table=translation_table(),
+            dynamic_shapes=(tok_dims, tuple({0: batch} for _ in state)),
+            input_names=["tokens"] + [n for n, _, _ in spec],
+            output_names=["logits"] + [f"{n}.out" for n, _, _ in spec],
+            report=False, verbose=False)
+    proto = program.model_proto
+    _trim_unused_outputs(proto)
+    function.add_functions(proto)
+    meta = {META_FORMAT: FORMAT, META_ENTRY: "decode" if decode else "prefill",
+            META_STATE: json.dumps(spec), META_CONFIG: json.dumps(getattr(model, "config", None))}
+    for key, value in meta.items():
+        proto.metadata_props.add(key=key, value=value)
+    function.check(proto)
+    onnx.save(proto, str(path))
+    return proto
