@@ -54,7 +54,6 @@ def _unflatten(flat, layout):
 def to_relax(model, *, max_batch=None):
     """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
     forward(tokens, state) -> (logits, state) and init_state(batch))."""
-    import tvm
     from torch.export import Dim
 
     from .frontend.torch_export import import_exported
@@ -76,6 +75,14 @@ def to_relax(model, *, max_batch=None):
             _Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
             dynamic_shapes=({0: batch}, state_dims))
         mods["decode"] = import_exported(ep)
+    return merge_entries(mods)
+
+
+def merge_entries(mods):
+    """One IRModule from {entry name: IRModule with "main"}: each main becomes the entry; other
+    functions are shared by name (kernel names encode everything baked into them)."""
+    import tvm
+
     funcs = {}
     for entry, mod in mods.items():
         for gv, func in mod.functions.items():
@@ -132,10 +139,6 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     schedules: "auto" uses tuned records from `schedules/` for the target where they exist and
     the default schedules otherwise (no tuned records ship yet, so both mean the defaults);
     "default" always uses the default schedules."""
-    import tvm
-
-    from .target import resolve
-
     if schedules not in ("auto", "default"):
         raise ValueError(f"schedules must be 'auto' or 'default', got {schedules!r}")
     for attr in ("init_state", "forward"):
@@ -144,16 +147,32 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
                             f"state) and init_state(batch); {type(model).__name__} has no {attr}")
     if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
-    tgt = resolve(target)
-    if tgt.kind.name != "llvm":
-        raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} comes "
-                                  "with the CUDA deployment work; use an llvm (CPU) target")
+    tgt = resolve_cpu_target(target)
     mod = to_relax(model, max_batch=max_batch)
     meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
             "vocab_size": int(model.config["vocab_size"]) if hasattr(model, "config") else None,
             "config": getattr(model, "config", None)}
+    return build(mod, meta, tgt, out)
+
+
+def resolve_cpu_target(target):
+    """The tvm.target.Target for `target`; NotImplementedError for non-CPU kinds (for now)."""
+    from .target import resolve
+
+    tgt = resolve(target)
+    if tgt.kind.name != "llvm":
+        raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} comes "
+                                  "with the CUDA deployment work; use an llvm (CPU) target")
+    return tgt
+
+
+def build(mod, meta, target, out):
+    """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
+    `target` and write the library to `out`. Returns `out`."""
+    import tvm
+
     mod = _with_meta(mod, meta)
-    with tgt:
-        exe = tvm.compile(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt))
+    with target:
+        exe = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
     exe.export_library(str(out))
     return str(out)

@@ -76,6 +76,7 @@ class CompiledModel:
                              f"{MODULE_FORMAT!r}")
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")
+        self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
 
     # --- state -------------------------------------------------------------------------------
@@ -138,9 +139,14 @@ class CompiledModel:
     def prefill(self, tokens, state):
         """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]."""
         arr = np.asarray(tokens)
-        if arr.ndim == 2 and arr.shape[1] == 1:   # the prefill entry takes T >= 2
-            logits, state = self.decode(arr[:, 0], state)
-            return logits[:, None], state
+        if arr.ndim == 2 and (arr.shape[1] == 1 or "prefill" not in self.entries):
+            # the prefill entry takes T >= 2; modules compiled from a decode graph have none
+            self._tokens(tokens, 2, "tokens")
+            steps = []
+            for t in range(arr.shape[1]):
+                logits, state = self.decode(arr[:, t], state)
+                steps.append(logits)
+            return np.stack(steps, axis=1), state
         t = self._tokens(tokens, 2, "tokens")
         return self._run("prefill", t, state)
 

@@ -36,9 +36,9 @@ def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps,
 
 def translation_table():
     """The custom_translation_table entry torch.onnx.export needs for hla_tvm models."""
-    from .. import nn  # noqa: F401  (registers torch.ops.hla_tvm.hla)
+    from ..nn import hla_op   # defining it registers torch.ops.hla_tvm.hla
 
-    return {torch.ops.hla_tvm.hla.default: _translate}
+    return {hla_op._opoverload: _translate}
 
 
 def _example_tokens(example_tokens, decode):
@@ -88,7 +88,7 @@ def export(model, path, example_tokens=None, *, decode=False):
     spec = flat_state_spec(model)
     batch = Dim("batch", min=1)
     tok_dims = {0: batch} if decode else {0: batch, 1: Dim("seq", min=2)}
-    wrapper = (_Decode if decode else _Prefill)(model, layout)
+    wrapper = (_Decode if decode else _Prefill)(model, layout).eval()
     with torch.no_grad():
         program = torch.onnx.export(
             wrapper, (tokens, *state), dynamo=True, opset_version=function.OPSET,

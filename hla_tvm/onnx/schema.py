@@ -75,8 +75,9 @@ def schema():
         OP_TYPE, DOMAIN, VERSION, DOC,
         inputs=[P("q", "T", "queries [B, H, T, Dk]"), P("k", "T", "keys [B, Hkv, T, Dk]"),
                 P("v", "T", "values [B, Hkv, T, Dv]"),
-                P("decay_heads", "T", "per-head decay [H] (replaces the decay attribute)", param_option=Opt.Optional),
-            ] + [P(f"state_{i}", "T", f"state entry {i} in (all entries or none)",
+                P("decay_heads", "T", "per-head decay [H] (replaces the decay attribute)",
+                  param_option=Opt.Optional)
+                ] + [P(f"state_{i}", "T", f"state entry {i} in (all entries or none)",
                    param_option=Opt.Optional) for i in range(MAX_STATE)],
         # state entries are separate optional parameters, not variadics: torch.onnx's
         # exporter maps a variadic input onto every argument and makes one variadic output

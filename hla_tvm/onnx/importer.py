@@ -1,0 +1,255 @@
+"""ONNX models with `hla_tvm::HLA` nodes to TVM: TVM's Relax ONNX frontend for every standard
+op, and each HLA node (domain hla_tvm, checked) lowered onto our TensorIR kernels
+(`frontend.relax_hla.emit_operator`) instead of its function body.
+
+TVM's frontend dispatches on op_type alone and has no custom-op hook. `_Importer` extends its
+graph importer: HLA nodes of the hla_tvm domain are renamed to a private op_type in a copy of the
+graph (so the domain decides, and an `HLA` of any other domain stays unsupported), the
+unsupported-op check skips them, and `_convert_operator` routes them to `_convert_hla`.
+
+    to_relax(model)                       -> IRModule whose "main" is the graph
+    compile(path, target=, out=)          -> a library `hla_tvm.runtime.load` opens
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import numpy as np
+import onnx
+
+from . import function
+from .exporter import META_CONFIG, META_ENTRY, META_STATE
+
+_PRIVATE_OP = "hla_tvm::HLA"   # the op_type HLA nodes carry inside the importer
+
+
+def load_model(model):
+    """A ModelProto from a path or a ModelProto; ValueError for files that are not ONNX."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no ONNX model at {path}")
+    try:
+        return onnx.load(path)
+    except Exception as err:
+        raise ValueError(f"{path}: not a readable ONNX model ({err})") from None
+
+
+def _mark_hla_nodes(model):
+    """A copy of `model` whose hla_tvm::HLA nodes have the private op_type; their variants are
+    validated (ValueError naming the node)."""
+    model = copy.deepcopy(model)
+    for n in model.graph.node:
+        if n.domain == function.DOMAIN:
+            if n.op_type != function.OP_TYPE:
+                raise ValueError(f"node {n.name!r}: the hla_tvm domain has no operator "
+                                 f"{n.op_type!r} (only {function.OP_TYPE})")
+            function.node_variant(n)
+            n.op_type = _PRIVATE_OP
+        elif n.op_type == function.OP_TYPE:
+            raise ValueError(f"node {n.name!r}: op HLA of domain {n.domain or 'ai.onnx'!r} is not "
+                             f"{function.DOMAIN}::{function.OP_TYPE}")
+    return model
+
+
+def _importer_class():
+    from tvm.relax.frontend.onnx import onnx_frontend as fe
+
+    class _Importer(fe.ONNXGraphImporter):
+        def _check_for_unsupported_ops(self, graph):
+            rest = onnx.GraphProto()
+            rest.node.extend(n for n in graph.node if n.op_type != _PRIVATE_OP)
+            super()._check_for_unsupported_ops(rest)
+
+        def _convert_operator(self, op_name, inputs, attrs, opset):
+            if op_name == _PRIVATE_OP:
+                return _convert_hla(self.bb, inputs, attrs)
+            return super()._convert_operator(op_name, inputs, attrs, opset)
+
+    return _Importer
+
+
+def _shape(expr, node, what):
+    from tvm import relax
+
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or ty.ndim < 0:
+        raise ValueError(f"HLA node {node!r}: {what} must be a tensor of known rank")
+    return list(ty.shape)
+
+
+def _static(dim, node, what):
+    from tvm.tirx import IntImm
+
+    if not isinstance(dim, IntImm):
+        raise ValueError(f"HLA node {node!r}: {what} must be static (the kernels are compiled for "
+                         f"fixed head sizes), got {dim}")
+    return int(dim)
+
+
+def _zero_state(bb, shapes):
+    """Distinct zero tensors of `shapes` [B, H, ...]: split from one buffer, since the kernels
+    update state in place and equal `zeros` calls may be merged into one tensor."""
+    from tvm import relax
+
+    widths = [int(np.prod([int(d) for d in sh[2:]])) for sh in shapes]
+    B, H = shapes[0][:2]
+    flat = bb.emit(relax.op.zeros(relax.ShapeExpr([B, H, sum(widths)]), "float32"))
+    parts = bb.emit(relax.op.split(flat, list(np.cumsum(widths)[:-1]), axis=2))
+    return [bb.emit(relax.op.reshape(bb.emit(relax.TupleGetItem(parts, i)), sh))
+            for i, sh in enumerate(shapes)]
+
+
+def _convert_hla(bb, inputs, attrs):
+    """Relax for one HLA node: a tuple (o, *state) with as many fields as the node's outputs."""
+    from tvm import relax
+
+    from ..frontend.relax_hla import emit_operator
+    from ..operators import get
+
+    node = attrs["tvm_custom"]["name"]
+    inputs = list(inputs)   # the frontend's list pads out-of-range slices with None
+    get_attr = lambda k: attrs.get(k, function.ATTRIBUTES[k])  # noqa: E731
+    order, asym = get_attr("order"), bool(get_attr("asymmetric"))
+    op = get(order, asym)
+    q, k, v = inputs[:3]
+    shapes = {}
+    for name, x in zip("qkv", (q, k, v)):
+        shapes[name] = _shape(x, node, name)
+        if len(shapes[name]) != 4:
+            raise ValueError(f"HLA node {node!r}: input {name} must have rank 4 [B, H, T, D], "
+                             f"got rank {len(shapes[name])} {shapes[name]}")
+        if x.ty.dtype != "float32":
+            raise ValueError(f"HLA node {node!r}: input {name} must be float32, got "
+                             f"{x.ty.dtype}")
+    B, H, T, dk = shapes["q"]
+    H = _static(H, node, "q's head count")
+    Hkv = _static(shapes["k"][1], node, "k's head count")
+    dk = _static(dk, node, "q's head size")
+    dv = _static(shapes["v"][3], node, "v's head size")
+    if _static(shapes["k"][3], node, "k's head size") != dk or \
+            _static(shapes["v"][1], node, "v's head count") != Hkv or H % Hkv:
+        raise ValueError(f"HLA node {node!r}: expected q [B, H, T, Dk], k [B, Hkv, T, Dk], "
+                         f"v [B, Hkv, T, Dv] with Hkv dividing H; got q {shapes['q']}, "
+                         f"k {shapes['k']}, v {shapes['v']}")
+    decay = inputs[3] if len(inputs) > 3 else None
+    if decay is not None:
+        if _shape(decay, node, "decay_heads") != [H] and \
+                [_static(d, node, "decay_heads") for d in _shape(decay, node, "decay_heads")] != [H]:
+            raise ValueError(f"HLA node {node!r}: decay_heads must have shape [{H}]")
+    elif get_attr("decay") != 1.0:
+        decay = relax.const(np.full(H, get_attr("decay"), dtype="float32"))
+    shapes = op.state_shapes(B, H, Hkv, dk, dv)
+    state = list(inputs[4:4 + len(op.state_names)])
+    if not state:
+        state = _zero_state(bb, [list(shapes[n]) for n in op.state_names])
+    else:
+        for n, x in zip(op.state_names, state):
+            got = _shape(x, node, f"state {n}")
+            if len(got) != len(shapes[n]) or any(
+                    _static(g, node, f"state {n}") != w for g, w in zip(got[1:], shapes[n][1:])):
+                raise ValueError(f"HLA node {node!r}: state {n} must have shape "
+                                 f"[B, {', '.join(str(d) for d in shapes[n][1:])}], got {got}")
+    out, new_state = emit_operator(
+        bb, order, asym, q, k, v, state, decay, masked=bool(get_attr("masked")),
+        normalize=bool(get_attr("normalize")), eps=get_attr("eps"), ridge=get_attr("ridge"))
+    return relax.Tuple([out, *new_state][:attrs["tvm_custom"]["num_outputs"]])
+
+
+def to_relax(model, *, shape_dict=None):
+    """The Relax IRModule ("main") of an ONNX model (path or ModelProto) whose hla_tvm::HLA nodes
+    call our kernels. Every other node goes through TVM's ONNX frontend."""
+    model = _mark_hla_nodes(load_model(model))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    with warnings.catch_warnings():   # it renames every dotted name (layer0.S -> layer0_S)
+        warnings.filterwarnings("ignore", message="Renaming name")
+        return _importer_class()(shape_dict, "float32").from_onnx(model.graph, opset)
+
+
+def lm_signature(model):
+    """The language-model interface of an ONNX graph, as `hla_tvm.onnx.export` writes it:
+    inputs tokens (int64 [B, T] for prefill or [B] for decode) then the state entries
+    (float32 [B, ...] with static trailing dims); outputs logits then the new state, one per
+    state input. Returns dict(entry, state=[(name, shape, dtype)], vocab_size, config)."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    inputs = [i for i in g.input if i.name not in inits]
+
+    def dims(vi):
+        return [d.dim_value if d.HasField("dim_value") else None
+                for d in vi.type.tensor_type.shape.dim]
+
+    if not inputs or inputs[0].type.tensor_type.elem_type != onnx.TensorProto.INT64 or \
+            len(dims(inputs[0])) not in (1, 2):
+        raise ValueError("the ONNX graph's first input must be the int64 tokens [B, T] (prefill) "
+                         "or [B] (decode), as hla_tvm.onnx.export writes; got "
+                         + (f"{inputs[0].name!r}" if inputs else "no inputs"))
+    entry = "prefill" if len(dims(inputs[0])) == 2 else "decode"
+    state = []
+    for vi in inputs[1:]:
+        d = dims(vi)
+        if vi.type.tensor_type.elem_type != onnx.TensorProto.FLOAT or len(d) < 2 or \
+                any(x is None for x in d[1:]):
+            raise ValueError(f"graph input {vi.name!r}: state inputs must be float32 [B, ...] "
+                             f"with static trailing dims, got {d}")
+        state.append((vi.name, d[1:], "float32"))
+    if len(g.output) != 1 + len(state):
+        raise ValueError(f"the graph must return logits and one new state per state input "
+                         f"({1 + len(state)} outputs), got {len(g.output)}")
+    props = {p.key: p.value for p in model.metadata_props}
+    config = json.loads(props[META_CONFIG]) if META_CONFIG in props else None
+    logits = dims(g.output[0])
+    vocab = (config or {}).get("vocab_size") or (logits[-1] if logits else None)
+    if META_ENTRY in props and props[META_ENTRY] != entry:
+        raise ValueError(f"metadata says a {props[META_ENTRY]} graph, the tokens input says "
+                         f"{entry}")
+    if META_STATE in props:
+        names = [n for n, _, _ in json.loads(props[META_STATE])]
+        state = [(n, s, d) for n, (_, s, d) in zip(names, state)] if len(names) == len(state) \
+            else state
+    return dict(entry=entry, state=state, vocab_size=vocab, config=config)
+
+
+def _decode_from_prefill(model):
+    """The prefill graph turned into the one-token step: tokens [B] -> Unsqueeze -> the graph ->
+    logits [B, 1, V] -> Squeeze -> logits [B, V]."""
+    from onnx import helper
+
+    model = copy.deepcopy(model)
+    g = model.graph
+    tok, logits = g.input[0], g.output[0]
+    step_tok, step_logits = tok.name + ".step", logits.name + ".step"
+    batch = copy.deepcopy(tok.type.tensor_type.shape.dim[0])
+    axis = helper.make_tensor(tok.name + ".axis", onnx.TensorProto.INT64, [1], [1])
+    g.initializer.append(axis)
+    g.node.insert(0, helper.make_node("Unsqueeze", [step_tok, axis.name], [tok.name]))
+    g.node.append(helper.make_node("Squeeze", [logits.name, axis.name], [step_logits]))
+    new_tok = helper.make_tensor_value_info(step_tok, onnx.TensorProto.INT64, [None])
+    new_tok.type.tensor_type.shape.dim[0].CopyFrom(batch)
+    g.input[0].CopyFrom(new_tok)
+    g.output[0].CopyFrom(helper.make_tensor_value_info(
+        step_logits, logits.type.tensor_type.elem_type, None))
+    return model
+
+
+def compile(path, *, target="llvm", out="model.so"):  # noqa: A001
+    """Compile an ONNX language model with hla_tvm::HLA nodes (as `hla_tvm.onnx.export` writes)
+    for `target` and write the library to `out`; `hla_tvm.runtime.load` opens it. A prefill
+    graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
+    decode only (the runtime then runs a prompt token by token). Returns `out`."""
+    from ..compile import MODULE_FORMAT, build, merge_entries, resolve_cpu_target
+
+    model = load_model(path)
+    sig = lm_signature(model)
+    tgt = resolve_cpu_target(target)
+    if sig["entry"] == "prefill":
+        mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
+    else:
+        mods = {"decode": to_relax(model)}
+    meta = {"format": MODULE_FORMAT, "state": sig["state"], "vocab_size": sig["vocab_size"],
+            "config": sig["config"], "entries": sorted(mods), "source": "onnx"}
+    return build(merge_entries(mods), meta, tgt, out)
