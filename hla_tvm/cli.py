@@ -30,11 +30,34 @@ def _compile(args):
             target = json.loads(target)
         except json.JSONDecodeError as err:
             raise SystemExit(f"hla-tvm compile: --target is not valid JSON: {err}")
-    model = HLALM.load(args.checkpoint)
-    print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
-          f"parameters) for {target} ...", flush=True)
-    out = compile_model(model, target=target, out=args.output, max_batch=args.max_batch)
+    if args.checkpoint.endswith(".onnx"):
+        from .onnx import compile as compile_onnx
+
+        if args.max_batch is not None:
+            raise SystemExit("hla-tvm compile: --max-batch applies to checkpoints, not ONNX")
+        print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
+              f"{target} ...", flush=True)
+        out = compile_onnx(args.checkpoint, target=target, out=args.output)
+    else:
+        model = HLALM.load(args.checkpoint)
+        print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
+              f"parameters) for {target} ...", flush=True)
+        out = compile_model(model, target=target, out=args.output, max_batch=args.max_batch)
     print(f"wrote {out}")
+    return 0
+
+
+def _export_onnx(args):
+    from .models import HLALM
+    from .onnx import export
+
+    model = HLALM.load(args.checkpoint)
+    entry = "decode step" if args.decode else "prefill"
+    print(f"exporting {args.checkpoint} ({entry}) to ONNX ...", flush=True)
+    proto = export(model, args.output, decode=args.decode)
+    n = sum(1 for node in proto.graph.node if node.domain == "hla_tvm")
+    print(f"wrote {args.output}: {len(proto.graph.node)} nodes, {n} hla_tvm::HLA, "
+          f"{len(proto.functions)} function bodies (opset {proto.opset_import[0].version})")
     return 0
 
 
@@ -111,9 +134,11 @@ def build_parser():
     b.add_argument("--repeat", type=int, default=5, help="timed runs, best kept (default 5)")
     b.set_defaults(func=_bench)
 
-    k = sub.add_parser("compile", help="compile an HLALM checkpoint into a deployable module "
-                                       "(prefill/decode entry points, runtime-only loading)")
-    k.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
+    k = sub.add_parser("compile", help="compile an HLALM checkpoint or an ONNX model from "
+                                       "`export-onnx` into a deployable module (prefill/decode "
+                                       "entry points, runtime-only loading)")
+    k.add_argument("checkpoint", help="a checkpoint written by HLALM.save, or a .onnx file with "
+                                      "hla_tvm::HLA nodes")
     k.add_argument("-o", "--output", default="model.so", help="output library (model.so)")
     k.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU (default) or a TVM target as JSON, e.g. '
@@ -121,6 +146,16 @@ def build_parser():
     k.add_argument("--max-batch", type=int, default=None,
                    help="upper bound of the batch size (lets TVM plan memory statically)")
     k.set_defaults(func=_compile)
+
+    x = sub.add_parser("export-onnx", help="export an HLALM checkpoint to ONNX with "
+                                           "hla_tvm::HLA nodes and their function bodies (runs "
+                                           "in ONNX Runtime as is; `compile` takes it too)")
+    x.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
+    x.add_argument("-o", "--output", default="model.onnx", help="output file (model.onnx)")
+    x.add_argument("--decode", action="store_true",
+                   help="export the one-token decode step (tokens [B] and state in, logits "
+                        "[B, vocab] and state out) instead of the prefill graph")
+    x.set_defaults(func=_export_onnx)
 
     r = sub.add_parser("run", help="greedy generation with a compiled module (TVM runtime only)")
     r.add_argument("module", help="a library written by `hla-tvm compile`")

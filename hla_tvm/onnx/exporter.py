@@ -9,8 +9,11 @@ with dynamic B and T; state entries are named like `hla_tvm.compile`'s (layer0.S
 outputs `<name>.out`. The model's config and state layout go into metadata_props."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
+import warnings
 
 import onnx
 import torch
@@ -67,6 +70,22 @@ def _trim_unused_outputs(proto):
             n.output.pop()
 
 
+@contextlib.contextmanager
+def _quiet():
+    """torch.onnx's notes that do not concern the user (torchvision absent, Dim names merged,
+    a pytree deprecation inside torch)."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*axis name.*will not be used")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def export(model, path, example_tokens=None, *, decode=False):
     """Write `model` (an HLALM-like `hla_tvm` model) to `path` as ONNX; returns the ModelProto.
 
@@ -89,7 +108,7 @@ def export(model, path, example_tokens=None, *, decode=False):
     batch = Dim("batch", min=1)
     tok_dims = {0: batch} if decode else {0: batch, 1: Dim("seq", min=2)}
     wrapper = (_Decode if decode else _Prefill)(model, layout).eval()
-    with torch.no_grad():
+    with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             wrapper, (tokens, *state), dynamo=True, opset_version=function.OPSET,
             custom_translation_table=translation_table(),

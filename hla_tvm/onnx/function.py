@@ -307,6 +307,7 @@ def check_functions(model):
 
 
 def check(model):
-    """onnx.checker full check (functions included)."""
+    """Every HLA node valid and carrying its function body, then onnx.checker's full check."""
+    check_functions(model)
     onnx.checker.check_model(model, full_check=True)
     return model

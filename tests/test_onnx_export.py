@@ -1,0 +1,126 @@
+"""HLALM -> ONNX (hla_tvm::HLA nodes with function bodies) -> ONNX Runtime and -> TVM, both
+against the PyTorch model: prefill from a fresh state, then the decode-step graph with state in
+and out."""
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from conftest import rel_err
+from hla_tvm import onnx as hla_onnx
+from hla_tvm.cli import main
+from hla_tvm.models import HLALM
+from hla_tvm.runtime import load
+
+VOCAB = 40
+CONFIGS = {"hla2": dict(), "hla2_decay": dict(decay=[0.9, 0.7], n_kv_heads=2),
+           "ahla": dict(asymmetric=True), "ahla_decay": dict(asymmetric=True, decay=0.9),
+           "hla3": dict(order=3), "hla3_decay": dict(order=3, decay=[0.9, 0.8], n_kv_heads=2)}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def exported(request, tmp_path_factory):
+    """(model, prefill .onnx, decode .onnx, compiled library of the prefill file)."""
+    torch.manual_seed(0)
+    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16, **CONFIGS[request.param]).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    prefill, decode = folder / "prefill.onnx", folder / "decode.onnx"
+    hla_onnx.export(model, prefill, torch.randint(0, VOCAB, (2, 8)))
+    hla_onnx.export(model, decode, decode=True)
+    lib = hla_onnx.compile(prefill, out=folder / "model.so")
+    return model, prefill, decode, lib
+
+
+def _torch(model, tokens, state=None):
+    with torch.no_grad():
+        logits, st = model(torch.as_tensor(tokens), state)
+    return logits, st
+
+
+def _feed(sess, tokens, state):
+    names = [i.name for i in sess.get_inputs()]
+    return sess.run(None, dict(zip(names, [tokens, *state])))
+
+
+def test_onnx_runtime_matches_pytorch(exported):
+    model, prefill, decode, _ = exported
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (2, 19))
+    zero = [x.numpy() for layer in model.init_state(2) for x in layer.values()]
+    logits, *state = _feed(hla_onnx.session(prefill), tokens, zero)
+    ref, ref_state = _torch(model, tokens)
+    assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    step = hla_onnx.session(decode)
+    for _ in range(5):
+        tok = rng.integers(0, VOCAB, (2,))
+        logits, *state = _feed(step, tok, state)
+        ref, ref_state = _torch(model, tok[:, None], ref_state)
+        assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
+    flat = [x for layer in ref_state for x in layer.values()]
+    assert all(rel_err(torch.from_numpy(s), r) <= 1e-4 for s, r in zip(state, flat))
+
+
+def test_tvm_from_onnx_matches_pytorch(exported):
+    model, _, _, lib = exported
+    m = load(lib)
+    rng = np.random.default_rng(1)
+    for T in (5, 37):
+        tokens = rng.integers(0, VOCAB, (3, T))
+        logits, state = m.prefill(tokens, m.init_state(3))
+        ref, ref_state = _torch(model, tokens)
+        assert logits.shape == (3, T, VOCAB)
+        assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    for _ in range(5):
+        tok = rng.integers(0, VOCAB, (3,))
+        logits, state = m.decode(tok, state)
+        ref, ref_state = _torch(model, tok[:, None], ref_state)
+        assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
+
+
+def test_the_file_is_standard_onnx_with_hla_nodes(exported):
+    model, prefill, decode, _ = exported
+    for path in (prefill, decode):
+        proto = onnx.load(path)
+        hla_onnx.check(proto)     # function bodies present, full checker
+        nodes = [n for n in proto.graph.node if n.domain == "hla_tvm"]
+        assert len(nodes) == len(model.blocks) and {n.op_type for n in nodes} == {"HLA"}
+        assert {(f.domain, f.name) for f in proto.functions} == {("hla_tvm", "HLA")}
+
+
+def test_decode_graph_compiles_to_a_decode_only_module(tmp_path):
+    """A decode-step file compiles too; the runtime runs a prompt through it token by token."""
+    torch.manual_seed(1)
+    model = HLALM(VOCAB, 32, 1, 2, order=3, decay=0.95).eval()
+    path = tmp_path / "decode.onnx"
+    hla_onnx.export(model, path, decode=True)
+    m = load(hla_onnx.compile(path, out=tmp_path / "step.so"))
+    assert m.entries == ("decode",)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 6))
+    logits, state = m.prefill(tokens, m.init_state(2))
+    ref, ref_state = _torch(model, tokens)
+    assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    logits, _ = m.decode(tokens[:, 0], state)
+    assert rel_err(torch.from_numpy(logits), _torch(model, tokens[:, :1], ref_state)[0][:, 0]) \
+        <= 1e-4
+
+
+def test_cli_export_then_compile(tmp_path, capsys):
+    torch.manual_seed(2)
+    model = HLALM(VOCAB, 16, 1, 2)
+    ckpt = tmp_path / "m.pt"
+    model.save(ckpt)
+    onnx_path, lib = tmp_path / "m.onnx", tmp_path / "m.so"
+    assert main(["export-onnx", str(ckpt), "-o", str(onnx_path)]) == 0
+    assert "1 hla_tvm::HLA" in capsys.readouterr().out
+    assert main(["compile", str(onnx_path), "-o", str(lib)]) == 0
+    tokens = np.array([[1, 2, 3, 4]])
+    m = load(lib)
+    logits, _ = m.prefill(tokens, m.init_state(1))
+    assert rel_err(torch.from_numpy(logits), _torch(model.eval(), tokens)[0]) <= 1e-4
+
+
+def test_export_refuses_other_modules(tmp_path):
+    with pytest.raises(TypeError, match="HLALM-like"):
+        hla_onnx.export(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
+    with pytest.raises(ValueError, match="example_tokens"):
+        hla_onnx.export(HLALM(VOCAB, 16, 1, 2), tmp_path / "x.onnx", torch.zeros(2, 3))
