@@ -174,3 +174,18 @@ def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name):
                 dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vr, vi] * x[vb, vh, vc, vr]
             else:
                 dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vi, vr] * x[vb, vh, vc, vr]
+
+
+def zero_state(tails, dtype="float32"):
+    """PrimFunc (q [B, H, T, D], *out): out[i] [B, H, *tails[i]] = 0. It takes q so that
+    constant folding cannot turn the zeros into module constants (the kernels update state in
+    place, and an in-place update of a constant would leak into the next call)."""
+    from tvm import te
+
+    q = te.placeholder([te.var(n, "int64") for n in ("B", "H", "L", "D")], dtype, name="q")
+    # batch and heads of each output are its own (key/value-only entries have fewer heads)
+    outs = [te.compute((te.var(f"B{j}", "int64"), te.var(f"H{j}", "int64"),
+                        *[tvm.tirx.IntImm("int64", d) for d in tail]),
+                       lambda *i: tvm.tirx.const(0, dtype), name=f"zero{j}")
+            for j, tail in enumerate(tails)]
+    return te.create_prim_func([q, *outs])

@@ -91,21 +91,25 @@ def _static(dim, node, what):
     return int(dim)
 
 
-def _zero_state(bb, shapes):
-    """Distinct zero tensors of `shapes` [B, H, ...]: split from one buffer, since the kernels
-    update state in place and equal `zeros` calls may be merged into one tensor."""
+def _zero_state(bb, q, shapes):
+    """Distinct zero tensors of `shapes` [B, H, ...] computed from q's shape at run time (never
+    folded into module constants, which the in-place kernels would otherwise mutate)."""
     from tvm import relax
 
-    widths = [int(np.prod([int(d) for d in sh[2:]])) for sh in shapes]
-    B, H = shapes[0][:2]
-    flat = bb.emit(relax.op.zeros(relax.ShapeExpr([B, H, sum(widths)]), "float32"))
-    parts = bb.emit(relax.op.split(flat, list(np.cumsum(widths)[:-1]), axis=2))
-    return [bb.emit(relax.op.reshape(bb.emit(relax.TupleGetItem(parts, i)), sh))
-            for i, sh in enumerate(shapes)]
+    from ..kernels._tir import zero_state
+
+    tails = [tuple(int(d) for d in sh[2:]) for sh in shapes]
+    name = "hla_zero_state_" + "_".join("x".join(map(str, t)) for t in tails)
+    gv = next((g for g in bb.get().get_global_vars() if g.name_hint == name), None)
+    if gv is None:
+        gv = bb.add_func(zero_state(tails).with_attr("global_symbol", name), name)
+    res = bb.emit(relax.call_tir(gv, [q], [relax.TensorType(sh, "float32") for sh in shapes]))
+    return [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
 
 
 def _convert_hla(bb, inputs, attrs):
     """Relax for one HLA node: a tuple (o, *state) with as many fields as the node's outputs."""
+    import tvm
     from tvm import relax
 
     from ..frontend.relax_hla import emit_operator
@@ -146,7 +150,7 @@ def _convert_hla(bb, inputs, attrs):
     shapes = op.state_shapes(B, H, Hkv, dk, dv)
     state = list(inputs[4:4 + len(op.state_names)])
     if not state:
-        state = _zero_state(bb, [list(shapes[n]) for n in op.state_names])
+        state = _zero_state(bb, q, [list(shapes[n]) for n in op.state_names])
     else:
         for n, x in zip(op.state_names, state):
             got = _shape(x, node, f"state {n}")
@@ -154,6 +158,13 @@ def _convert_hla(bb, inputs, attrs):
                     _static(g, node, f"state {n}") != w for g, w in zip(got[1:], shapes[n][1:])):
                 raise ValueError(f"HLA node {node!r}: state {n} must have shape "
                                  f"[B, {', '.join(str(d) for d in shapes[n][1:])}], got {got}")
+        # a constant initial state (an initializer) is copied into a run-time tensor first:
+        # the kernels advance state in place
+        const = [i for i, x in enumerate(state) if isinstance(x, tvm.ir.expr.Constant)]
+        if const:
+            zeros = _zero_state(bb, q, [list(state[i].ty.shape) for i in const])
+            for i, z in zip(const, zeros):
+                state[i] = bb.emit(relax.op.add(z, state[i]))
     out, new_state = emit_operator(
         bb, order, asym, q, k, v, state, decay, masked=bool(get_attr("masked")),
         normalize=bool(get_attr("normalize")), eps=get_attr("eps"), ridge=get_attr("ridge"))
