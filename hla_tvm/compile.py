@@ -95,19 +95,21 @@ def merge_entries(mods):
 
 def cpu_pipeline(target):
     """TVM's CPU Relax pipeline with default schedules for the legalized ops between the HLA
-    kernels (dlight's CPU GEMV and reduction rules, then `ParallelFallback`)."""
+    kernels (`MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU GEMV and reduction
+    rules, then `ParallelFallback`)."""
     import tvm
     from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu
     from tvm.s_tir import dlight as dl
 
+    from .schedule.cpu.matmul_tiles import MatmulTiles
     from .schedule.cpu.parallel_fallback import ParallelFallback
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod, _ctx):
         seq = tvm.transform.Sequential(
             cpu.library_dispatch_passes(target) + cpu.legalize_passes(target)
-            + [dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback())]
+            + [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback())]
             + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
         return seq(mod)
 

@@ -44,18 +44,52 @@ def _import_tvm_runtime():
     return tvm
 
 
-def load(path, device="cpu"):
-    """The compiled model at `path` on `device` ("cpu" for now)."""
-    return CompiledModel(path, device)
+def load(path, device="cpu", threads=None):
+    """The compiled model at `path` on `device` ("cpu" for now), its kernels run by `threads`
+    threads (None: $TVM_NUM_THREADS when set, else one per physical core)."""
+    return CompiledModel(path, device, threads)
+
+
+def physical_cores():
+    """Physical cores this process may run on (SMT siblings count once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(c))
+    return max(1, len(cores))
+
+
+def set_threads(threads=None):
+    """Size TVM's CPU thread pool (of the calling thread): `threads` workers, or with None
+    $TVM_NUM_THREADS when set, else one per physical core. (TVM's own default on x86 is half
+    the logical CPUs, which leaves half the cores idle on machines without SMT.) TVM sizes a
+    pool once, from $TVM_NUM_THREADS, when the thread first runs a parallel kernel; later
+    calls can lower the count below that size, not raise it. Returns the count asked for."""
+    tvm = _import_tvm_runtime()
+    if threads is None:
+        env = os.environ.get("TVM_NUM_THREADS", "")
+        threads = int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    if int(os.environ.get("TVM_NUM_THREADS", "0") or 0) < threads:
+        os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
+    tvm.get_global_func("runtime.config_threadpool")(1, threads)
+    return threads
 
 
 class CompiledModel:
-    def __init__(self, path, device="cpu"):
+    def __init__(self, path, device="cpu", threads=None):
         tvm = _import_tvm_runtime()
         from tvm.runtime import vm as tvm_vm
 
         if device != "cpu":
             raise ValueError(f"device must be 'cpu' for now, got {device!r}")
+        self.threads = set_threads(threads)
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
@@ -78,6 +112,7 @@ class CompiledModel:
         self.vocab_size = self.meta.get("vocab_size")
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
+        self._issued = ((), None)  # the last state this module returned, and its batch
 
     # --- state -------------------------------------------------------------------------------
     def init_state(self, batch):
@@ -105,6 +140,10 @@ class CompiledModel:
         return self._check_state(arrays, batch)
 
     def _check_state(self, state, batch):
+        issued, issued_batch = self._issued
+        if batch == issued_batch and isinstance(state, (list, tuple)) and \
+                len(state) == len(issued) and all(a is b for a, b in zip(state, issued)):
+            return state  # exactly the tensors the last call returned: already checked
         if not isinstance(state, (list, tuple)) or len(state) != len(self.state_spec):
             raise ValueError(f"state must be a list of {len(self.state_spec)} tensors (from "
                              f"init_state), got {type(state).__name__} of "
@@ -134,7 +173,8 @@ class CompiledModel:
         if self.vocab_size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got "
                              f"[{arr.min()}, {arr.max()}]")
-        return self._tvm.runtime.tensor(np.ascontiguousarray(arr, dtype=np.int64), self.device)
+        # numpy arrays go to the module through DLPack, no copy
+        return np.ascontiguousarray(arr, dtype=np.int64)
 
     def prefill(self, tokens, state):
         """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]."""
@@ -157,5 +197,7 @@ class CompiledModel:
 
     def _run(self, entry, tokens, state):
         state = self._check_state(state, tokens.shape[0])
-        res = self._vm[entry](tokens, *state)
-        return res[0].numpy(), [res[i] for i in range(1, len(res))]
+        res = list(self._vm[entry](tokens, *state))
+        new_state = res[1:]
+        self._issued = (new_state, tokens.shape[0])
+        return np.from_dlpack(res[0]).copy(), new_state

@@ -21,4 +21,6 @@ def import_exported(ep):
     """Relax IRModule ("main") of an ExportedProgram whose HLA nodes call our kernels."""
     from tvm.relax.frontend.torch import from_exported_program
 
-    return from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node})
+    from .flat_matmul import unflatten_matmuls
+
+    return unflatten_matmuls(from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node}))

@@ -1,6 +1,9 @@
 """Rule for the legalized Relax ops around the HLA kernels (projections, norms, logits) that
 dlight's CPU GEMV/Reduction rules do not take:
-  - element-wise blocks: leading loops in parallel, innermost row vectorized;
+  - element-wise chains are inlined into their last block first (one pass over memory);
+  - element-wise blocks: innermost row vectorized; the leading loops run in parallel only when
+    the static part of the work is at least PARALLEL_MIN elements (a parallel launch costs
+    microseconds, more than a decode step's 256-element row takes serially);
   - reductions whose last data-parallel loop has a static extent (matmul C[.., j] += A[.., k]
     B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
     the reduction runs between them, so each thread streams rows of B into a row of C."""
@@ -12,6 +15,7 @@ from tvm.s_tir import dlight as dl
 DATA_PAR, COMM_REDUCE = 0, 2
 VECTOR = 16
 ROW = 64
+PARALLEL_MIN = 1 << 15
 
 
 def _static(sch, loop):
@@ -22,6 +26,7 @@ def _static(sch, loop):
 class ParallelFallback(dl.ScheduleRule):
     def apply(self, func, target, _tunable):
         sch = s_tir.Schedule(func)
+        _inline_elementwise(sch)
         for block in sch.get_child_blocks(sch.get_sblock("root")):
             loops = sch.get_loops(block)
             iters = sch.get(block).iter_vars
@@ -40,12 +45,16 @@ class ParallelFallback(dl.ScheduleRule):
 
     @staticmethod
     def _elementwise(sch, spatial):
+        work = 1
+        for lp in spatial:
+            work *= _static(sch, lp) or 1
         ext = _static(sch, spatial[-1])
         if ext and ext % VECTOR == 0 and ext > VECTOR:
             outer, inner = sch.split(spatial[-1], factors=[None, VECTOR])
             sch.vectorize(inner)
             spatial = spatial[:-1] + [outer]
-        sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+        if work >= PARALLEL_MIN:
+            sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
 
     @staticmethod
     def _reduction(sch, block, spatial, reduce_):
@@ -63,3 +72,19 @@ class ParallelFallback(dl.ScheduleRule):
         sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
         if sch.get(block).init is not None:
             sch.decompose_reduction(block, reduce_[0])
+
+
+def _inline_elementwise(sch):
+    """Inline every element-wise block that is not an output into its consumers."""
+    progress = True
+    while progress:
+        progress = False
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            if any(iv.iter_type != DATA_PAR for iv in sch.get(block).iter_vars):
+                continue
+            try:
+                sch.compute_inline(block)
+            except Exception:  # noqa: BLE001 - an output, or not inlinable
+                continue
+            progress = True
+            break

@@ -1,0 +1,144 @@
+"""Rule for matmuls with the reduction on the outer axis of the right operand, as the projections
+of a model legalize (x [.., T, K] times a weight [K, N]), with their injective epilogues:
+
+    C[.., i, j] = sum_k A[.., i, k] B[.., k, j];   out = f(C, ...) element-wise
+
+Each output tile (ROWS rows x COLS columns) accumulates in registers: the loops become
+    parallel(.., j_outer[, i_outer]), k, i_inner (unrolled), j_inner (vectorized)
+so one B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through
+the epilogue (inlined into the write-back), so the product never makes a round trip to memory.
+dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
+from __future__ import annotations
+
+from tvm import s_tir
+from tvm.s_tir import dlight as dl
+
+DATA_PAR, COMM_REDUCE = 0, 2
+COLS = (64, 32, 16, 8)  # column tile: the first that divides N
+TILE = 64               # floats per register tile: ROWS = TILE // COLS rows
+
+
+def _static(extent):
+    return int(extent.value) if hasattr(extent, "value") else None
+
+
+def _is_var(expr, var):
+    return expr.same_as(var)
+
+
+def matmul_pattern(block):
+    """(lead spatial, i, j, k) iterator positions of `block` when it is C[.., i, j] +=
+    A[.., i, k] * B[.., k, j] with one reduction iterator k; None otherwise."""
+    iters = block.iter_vars
+    kinds = [iv.iter_type for iv in iters]
+    if kinds.count(COMM_REDUCE) != 1 or any(k not in (DATA_PAR, COMM_REDUCE) for k in kinds):
+        return None
+    ki = kinds.index(COMM_REDUCE)
+    if ki != len(iters) - 1 or len(iters) < 3 or len(block.writes) != 1 or len(block.reads) < 2:
+        return None
+    i, j, k = iters[-3].var, iters[-2].var, iters[-1].var
+    out = [r.min for r in block.writes[0].region]
+    if len(out) < 2 or not _is_var(out[-1], j) or not _is_var(out[-2], i):
+        return None
+    idx = [[r.min for r in rd.region] for rd in block.reads]
+    has_a = any(len(x) >= 2 and _is_var(x[-1], k) and _is_var(x[-2], i) for x in idx)
+    has_b = any(len(x) >= 2 and _is_var(x[-1], j) and _is_var(x[-2], k) for x in idx)
+    return (len(iters) - 3, len(iters) - 3, len(iters) - 2, len(iters) - 1) \
+        if has_a and has_b else None
+
+
+def _column_tile(n, choices=COLS):
+    return next((c for c in choices if n is not None and n % c == 0), None)
+
+
+class MatmulTiles(dl.ScheduleRule):
+    """dlight rule: register-tiled outer-reduction matmul plus its element-wise epilogue."""
+
+    def __init__(self, rows=None, cols=COLS):
+        self.rows, self.cols = rows, cols
+
+    def apply(self, func, target, _tunable):
+        try:
+            return self._apply(func)
+        except (s_tir.ScheduleError, ValueError):
+            return None  # a shape the primitives refuse: the rules after this one take it
+
+    def _apply(self, func):
+        sch = s_tir.Schedule(func)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        found = [(b, matmul_pattern(sch.get(b))) for b in blocks]
+        mm = [(b, p) for b, p in found if p is not None]
+        if len(mm) != 1:
+            return None
+        block, _ = mm[0]
+        pos = [i for i, (b, _) in enumerate(found) if b.same_as(block)][0]
+        others = [b for b, _ in found if not b.same_as(block)]
+        if any(any(iv.iter_type != DATA_PAR for iv in sch.get(b).iter_vars) for b in others):
+            return None
+        if pos != 0:
+            # producers (e.g. a transpose of an operand) must inline into the matmul
+            for b in [b for b, _ in found[:pos]]:
+                try:
+                    sch.compute_inline(b)
+                except Exception:  # noqa: BLE001 - not inlinable: leave the function to others
+                    return None
+        loops = sch.get_loops(block)
+        if len(loops) != len(sch.get(block).iter_vars):
+            return None
+        *lead, i, j, k = loops
+        cols = _column_tile(_static(sch.get(j).extent), self.cols)
+        if cols is None:
+            return None
+        jo, ji = sch.split(j, factors=[None, cols])
+        rows = self.rows or max(1, TILE // cols)
+        rows_ext = _static(sch.get(i).extent)
+        if rows > 1 and (rows_ext is None or (rows_ext % rows == 0 and rows_ext > 1)):
+            io, ii = sch.split(i, factors=[None, rows])
+        else:
+            io, ii = i, None
+        sch.reorder(*lead, jo, io, k, *([ii] if ii is not None else []), ji)
+        tile = sch.fuse(*lead, jo, io)
+        sch.parallel(tile)
+        acc = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(acc, tile)
+        epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                    if not b.same_as(block) and not b.same_as(acc)]
+        _inline(sch, epilogue)
+        for b in sch.get_child_blocks(sch.get_sblock("root")):
+            if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, tile):
+                sch.reverse_compute_at(b, tile)
+        for b in sch.get_child_blocks(tile):
+            if b.same_as(block):
+                continue
+            inner = sch.get_loops(b)[-1]
+            if _static(sch.get(inner).extent) == cols:
+                sch.vectorize(inner)
+        if ii is not None:
+            sch.unroll(ii)
+        sch.vectorize(ji)
+        sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
+        return sch
+
+
+def _inline(sch, blocks):
+    """Inline every element-wise block it can: intermediates into their consumers, then the
+    last ones into the accumulator's write-back."""
+    blocks = list(blocks)
+    progress = True
+    while progress and blocks:
+        progress = False
+        for b in list(blocks):
+            for prim in (sch.compute_inline, sch.reverse_compute_inline):
+                try:
+                    prim(b)
+                except Exception:  # noqa: BLE001 - not inlinable this way
+                    continue
+                blocks.remove(b)
+                progress = True
+                break
+    return blocks
+
+
+def _under(sch, block, loop):
+    target = sch.get(loop)
+    return any(sch.get(lp).same_as(target) for lp in sch.get_loops(block))

@@ -1,0 +1,93 @@
+"""The default CPU schedule rules for the ops around the HLA kernels, on legalized-style
+functions, against float64 numpy: x @ W[K, N] with an element-wise epilogue (static and
+symbolic row counts, remainders, column tiles of 64..8), batched operands, and element-wise
+chains."""
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm import te  # noqa: E402
+
+from hla_tvm.compile import resolve_cpu_target  # noqa: E402
+from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, matmul_pattern  # noqa: E402
+from hla_tvm.schedule.cpu.parallel_fallback import ParallelFallback  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def _i64(*dims):
+    return tuple(tvm.tirx.IntImm("int64", d) if isinstance(d, int) else d for d in dims)
+
+
+def _matmul_silu(rows, k, n, lead=()):
+    """out = silu(x @ w) * g with x [*lead, rows, k], w [k, n], g [*lead, rows, n] (int64 dims,
+    as Relax legalizes)."""
+    rows, k, n, lead = *_i64(rows, k, n), _i64(*lead)
+    x = te.placeholder((*lead, rows, k), name="x")
+    w = te.placeholder((k, n), name="w")
+    g = te.placeholder((*lead, rows, n), name="g")
+    r = te.reduce_axis((0, k), name="r")
+    mm = te.compute((*lead, rows, n), lambda *i: te.sum(x[(*i[:-1], r)] * w[r, i[-1]], axis=r),
+                    name="matmul")
+    sig = te.compute(mm.shape, lambda *i: te.sigmoid(mm[i]), name="sig")
+    out = te.compute(mm.shape, lambda *i: mm[i] * sig[i] * g[i], name="out")
+    return te.create_prim_func([x, w, g, out]), (x, w, g)
+
+
+def _run(func, rule, shapes):
+    tgt = resolve_cpu_target("llvm")
+    sch = rule.apply(func.with_attr("global_symbol", "main"), tgt, False)
+    assert sch is not None, "the rule declined the function"
+    with tgt:
+        lib = tvm.compile(sch.mod, target=tgt)
+    args = [RNG.standard_normal(s).astype("float32") for s in shapes]
+    out = np.zeros(shapes[-1], "float32")
+    lib["main"](*[tvm.runtime.tensor(a) for a in args[:-1]], o := tvm.runtime.tensor(out))
+    return args, o.numpy()
+
+
+def _silu_ref(x, w, g):
+    mm = x.astype(np.float64) @ w.astype(np.float64)
+    return mm / (1 + np.exp(-mm)) * g
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 256, 1024), (13, 64, 1000), (8, 32, 48), (5, 16, 24)])
+def test_matmul_tiles_static(rows, k, n):
+    func, _ = _matmul_silu(rows, k, n)
+    (x, w, g, _), got = _run(func, MatmulTiles(), [(rows, k), (k, n), (rows, n), (rows, n)])
+    np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [24, 64])        # 8 columns x 8 rows, 64 columns x 1 row
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_matmul_tiles_symbolic_rows(rows, n):
+    t = te.var("T", "int64")
+    func, _ = _matmul_silu(t, 48, n, lead=(2,))
+    (x, w, g, _), got = _run(func, MatmulTiles(),
+                             [(2, rows, 48), (48, n), (2, rows, n), (2, rows, n)])
+    np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_pattern_rejects_inner_reduction():
+    """x @ W^T with W [N, K] (reduction innermost in both operands) is dlight GEMV's, not ours."""
+    x = te.placeholder((4, 32), name="x")
+    w = te.placeholder((16, 32), name="w")
+    r = te.reduce_axis((0, 32), name="r")
+    mm = te.compute((4, 16), lambda i, j: te.sum(x[i, r] * w[j, r], axis=r), name="mm")
+    func = te.create_prim_func([x, w, mm])
+    assert MatmulTiles().apply(func, resolve_cpu_target("llvm"), False) is None
+    sch = tvm.s_tir.Schedule(func)
+    assert matmul_pattern(sch.get(sch.get_sblock("mm"))) is None
+
+
+@pytest.mark.parametrize("n", [256, 1 << 16])
+def test_parallel_fallback_elementwise_chain(n):
+    """a * sigmoid(a) + b over [2, n]: the chain is inlined; serial below PARALLEL_MIN."""
+    a = te.placeholder((2, n), name="a")
+    b = te.placeholder((2, n), name="b")
+    s = te.compute((2, n), lambda i, j: te.sigmoid(a[i, j]), name="s")
+    out = te.compute((2, n), lambda i, j: a[i, j] * s[i, j] + b[i, j], name="out")
+    func = te.create_prim_func([a, b, out])
+    (av, bv, _), got = _run(func, ParallelFallback(), [(2, n)] * 3)
+    a64 = av.astype(np.float64)
+    np.testing.assert_allclose(got, a64 / (1 + np.exp(-a64)) + bv, rtol=1e-5, atol=1e-6)
