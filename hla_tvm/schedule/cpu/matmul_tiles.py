@@ -4,7 +4,8 @@ of a model legalize (x [.., T, K] times a weight [K, N]), with their injective e
     C[.., i, j] = sum_k A[.., i, k] B[.., k, j];   out = f(C, ...) element-wise
 
 Each output tile (ROWS rows x COLS columns) accumulates in registers: the loops become
-    parallel(.., j_outer[, i_outer]), k, i_inner (unrolled), j_inner (vectorized)
+    parallel(j_outer, .., i_outer), k, i_inner (unrolled), j_inner (vectorized)
+(j_outer after the leading axes when W has leading axes of its own)
 so one B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through
 the epilogue (inlined into the write-back), so the product never makes a round trip to memory.
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
@@ -45,6 +46,13 @@ def matmul_pattern(block):
     has_b = any(len(x) >= 2 and _is_var(x[-1], j) and _is_var(x[-2], k) for x in idx)
     return (len(iters) - 3, len(iters) - 3, len(iters) - 2, len(iters) - 1) \
         if has_a and has_b else None
+
+
+def _weight_shared(block):
+    """True when the B operand (read as B[k, j]) has no leading axes."""
+    k, j = block.iter_vars[-1].var, block.iter_vars[-2].var
+    return any(len(r.region) == 2 and _is_var(r.region[0].min, k) and _is_var(r.region[1].min, j)
+               for r in block.reads)
 
 
 def _column_tile(n, choices=COLS):
@@ -89,6 +97,7 @@ class MatmulTiles(dl.ScheduleRule):
         cols = _column_tile(_static(sch.get(j).extent), self.cols)
         if cols is None:
             return None
+        shared = _weight_shared(sch.get(block))
         jo, ji = sch.split(j, factors=[None, cols])
         rows = self.rows or max(1, TILE // cols)
         rows_ext = _static(sch.get(i).extent)
@@ -96,8 +105,11 @@ class MatmulTiles(dl.ScheduleRule):
             io, ii = sch.split(i, factors=[None, rows])
         else:
             io, ii = i, None
-        sch.reorder(*lead, jo, io, k, *([ii] if ii is not None else []), ji)
-        tile = sch.fuse(*lead, jo, io)
+        # a W shared by all leading indices (x [B, T, K] @ W [K, N]): column tiles outermost,
+        # so a thread keeps its K x COLS slice of W in cache over every row of every batch
+        outer = [jo, *lead, io] if shared else [*lead, jo, io]
+        sch.reorder(*outer, k, *([ii] if ii is not None else []), ji)
+        tile = sch.fuse(*outer)
         sch.parallel(tile)
         acc = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(acc, tile)
