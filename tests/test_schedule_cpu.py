@@ -9,7 +9,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import te  # noqa: E402
 
 from hla_tvm.compile import resolve_cpu_target  # noqa: E402
-from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, matmul_pattern  # noqa: E402
+from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, is_outer_matmul  # noqa: E402
 from hla_tvm.schedule.cpu.parallel_fallback import ParallelFallback  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def test_matmul_tiles_symbolic_rows(rows, n):
     np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
 
 
-def test_matmul_pattern_rejects_inner_reduction():
+def test_is_outer_matmul_rejects_inner_reduction():
     """x @ W^T with W [N, K] (reduction innermost in both operands) is dlight GEMV's, not ours."""
     x = te.placeholder((4, 32), name="x")
     w = te.placeholder((16, 32), name="w")
@@ -77,7 +77,7 @@ def test_matmul_pattern_rejects_inner_reduction():
     func = te.create_prim_func([x, w, mm])
     assert MatmulTiles().apply(func, resolve_cpu_target("llvm"), False) is None
     sch = tvm.s_tir.Schedule(func)
-    assert matmul_pattern(sch.get(sch.get_sblock("mm"))) is None
+    assert not is_outer_matmul(sch.get(sch.get_sblock("mm")))
 
 
 @pytest.mark.parametrize("n", [256, 1 << 16])

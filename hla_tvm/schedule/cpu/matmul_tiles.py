@@ -27,25 +27,24 @@ def _is_var(expr, var):
     return expr.same_as(var)
 
 
-def matmul_pattern(block):
-    """(lead spatial, i, j, k) iterator positions of `block` when it is C[.., i, j] +=
-    A[.., i, k] * B[.., k, j] with one reduction iterator k; None otherwise."""
+def is_outer_matmul(block):
+    """True when `block` is C[.., i, j] += A[.., i, k] * B[.., k, j]: iterators (.., i, j, k)
+    with k the only reduction."""
     iters = block.iter_vars
     kinds = [iv.iter_type for iv in iters]
     if kinds.count(COMM_REDUCE) != 1 or any(k not in (DATA_PAR, COMM_REDUCE) for k in kinds):
-        return None
+        return False
     ki = kinds.index(COMM_REDUCE)
     if ki != len(iters) - 1 or len(iters) < 3 or len(block.writes) != 1 or len(block.reads) < 2:
-        return None
+        return False
     i, j, k = iters[-3].var, iters[-2].var, iters[-1].var
     out = [r.min for r in block.writes[0].region]
     if len(out) < 2 or not _is_var(out[-1], j) or not _is_var(out[-2], i):
-        return None
+        return False
     idx = [[r.min for r in rd.region] for rd in block.reads]
     has_a = any(len(x) >= 2 and _is_var(x[-1], k) and _is_var(x[-2], i) for x in idx)
     has_b = any(len(x) >= 2 and _is_var(x[-1], j) and _is_var(x[-2], k) for x in idx)
-    return (len(iters) - 3, len(iters) - 3, len(iters) - 2, len(iters) - 1) \
-        if has_a and has_b else None
+    return has_a and has_b
 
 
 def _weight_shared(block):
@@ -74,8 +73,8 @@ class MatmulTiles(dl.ScheduleRule):
     def _apply(self, func):
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
-        found = [(b, matmul_pattern(sch.get(b))) for b in blocks]
-        mm = [(b, p) for b, p in found if p is not None]
+        found = [(b, is_outer_matmul(sch.get(b))) for b in blocks]
+        mm = [(b, p) for b, p in found if p]
         if len(mm) != 1:
             return None
         block, _ = mm[0]
