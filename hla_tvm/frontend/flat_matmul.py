@@ -8,9 +8,9 @@ from __future__ import annotations
 
 
 def _same_dims(a, b):
-    from tvm import sym as arith
+    from tvm import sym
 
-    ana = arith.Analyzer()
+    ana = sym.Analyzer()
     return len(a) == len(b) and all(ana.can_prove_equal(x, y) for x, y in zip(a, b))
 
 

@@ -3,24 +3,22 @@ of a model legalize (x [.., T, K] times a weight [K, N]), with their injective e
 
     C[.., i, j] = sum_k A[.., i, k] B[.., k, j];   out = f(C, ...) element-wise
 
-Each output tile (ROWS rows x COLS columns) accumulates in registers: the loops become
-    parallel(j_outer, .., i_outer), k, i_inner (unrolled), j_inner (vectorized)
-(j_outer after the leading axes when W has leading axes of its own)
-so one B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through
-the epilogue (inlined into the write-back), so the product never makes a round trip to memory.
+Each output tile (ROWS rows x COLS columns) accumulates in registers; the loops become
+    parallel(j_outer, lead.., i_outer), k, i_inner (unrolled), j_inner (vectorized)
+with j_outer first when one W serves every leading index (a thread keeps its W slice in cache
+over the whole batch) and after the leading axes when W has its own. One B row segment of COLS
+floats feeds ROWS rows per load; the tile is written once, through the epilogue (inlined into
+the write-back), so the product never makes a round trip to memory.
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-DATA_PAR, COMM_REDUCE = 0, 2
+from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
+
 COLS = (64, 32, 16, 8)  # column tile: the first that divides N
 TILE = 64               # floats per register tile: ROWS = TILE // COLS rows
-
-
-def _static(extent):
-    return int(extent.value) if hasattr(extent, "value") else None
 
 
 def _is_var(expr, var):
@@ -73,33 +71,24 @@ class MatmulTiles(dl.ScheduleRule):
     def _apply(self, func):
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
-        found = [(b, is_outer_matmul(sch.get(b))) for b in blocks]
-        mm = [(b, p) for b, p in found if p]
-        if len(mm) != 1:
+        mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
+        if len(mm) != 1 or not all(is_elementwise(sch, b) for b in blocks if not b.same_as(mm[0])):
             return None
-        block, _ = mm[0]
-        pos = [i for i, (b, _) in enumerate(found) if b.same_as(block)][0]
-        others = [b for b, _ in found if not b.same_as(block)]
-        if any(any(iv.iter_type != DATA_PAR for iv in sch.get(b).iter_vars) for b in others):
-            return None
-        if pos != 0:
-            # producers (e.g. a transpose of an operand) must inline into the matmul
-            for b in [b for b, _ in found[:pos]]:
-                try:
-                    sch.compute_inline(b)
-                except Exception:  # noqa: BLE001 - not inlinable: leave the function to others
-                    return None
+        block = mm[0]
+        producers = blocks[:[b.same_as(block) for b in blocks].index(True)]
+        if inline_elementwise(sch, producers):
+            return None  # a producer (a transpose of an operand, say) that cannot inline
         loops = sch.get_loops(block)
         if len(loops) != len(sch.get(block).iter_vars):
             return None
         *lead, i, j, k = loops
-        cols = _column_tile(_static(sch.get(j).extent), self.cols)
+        cols = _column_tile(static_extent(sch, j), self.cols)
         if cols is None:
             return None
         shared = _weight_shared(sch.get(block))
         jo, ji = sch.split(j, factors=[None, cols])
         rows = self.rows or max(1, TILE // cols)
-        rows_ext = _static(sch.get(i).extent)
+        rows_ext = static_extent(sch, i)
         if rows > 1 and (rows_ext is None or (rows_ext % rows == 0 and rows_ext > 1)):
             io, ii = sch.split(i, factors=[None, rows])
         else:
@@ -114,7 +103,7 @@ class MatmulTiles(dl.ScheduleRule):
         sch.reverse_compute_at(acc, tile)
         epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
                     if not b.same_as(block) and not b.same_as(acc)]
-        _inline(sch, epilogue)
+        inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
         for b in sch.get_child_blocks(sch.get_sblock("root")):
             if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, tile):
                 sch.reverse_compute_at(b, tile)
@@ -122,32 +111,13 @@ class MatmulTiles(dl.ScheduleRule):
             if b.same_as(block):
                 continue
             inner = sch.get_loops(b)[-1]
-            if _static(sch.get(inner).extent) == cols:
+            if static_extent(sch, inner) == cols:
                 sch.vectorize(inner)
         if ii is not None:
             sch.unroll(ii)
         sch.vectorize(ji)
         sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
         return sch
-
-
-def _inline(sch, blocks):
-    """Inline every element-wise block it can: intermediates into their consumers, then the
-    last ones into the accumulator's write-back."""
-    blocks = list(blocks)
-    progress = True
-    while progress and blocks:
-        progress = False
-        for b in list(blocks):
-            for prim in (sch.compute_inline, sch.reverse_compute_inline):
-                try:
-                    prim(b)
-                except Exception:  # noqa: BLE001 - not inlinable this way
-                    continue
-                blocks.remove(b)
-                progress = True
-                break
-    return blocks
 
 
 def _under(sch, block, loop):

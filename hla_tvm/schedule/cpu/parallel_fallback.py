@@ -12,21 +12,17 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-DATA_PAR, COMM_REDUCE = 0, 2
+from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, static_extent
+
 VECTOR = 16
 ROW = 64
 PARALLEL_MIN = 1 << 15
 
 
-def _static(sch, loop):
-    ext = sch.get(loop).extent
-    return int(ext.value) if hasattr(ext, "value") else None
-
-
 class ParallelFallback(dl.ScheduleRule):
     def apply(self, func, target, _tunable):
         sch = s_tir.Schedule(func)
-        _inline_elementwise(sch)
+        inline_elementwise(sch, sch.get_child_blocks(sch.get_sblock("root")))
         for block in sch.get_child_blocks(sch.get_sblock("root")):
             loops = sch.get_loops(block)
             iters = sch.get(block).iter_vars
@@ -47,8 +43,8 @@ class ParallelFallback(dl.ScheduleRule):
     def _elementwise(sch, spatial):
         work = 1
         for lp in spatial:
-            work *= _static(sch, lp) or 1
-        ext = _static(sch, spatial[-1])
+            work *= static_extent(sch, lp) or 1
+        ext = static_extent(sch, spatial[-1])
         if ext and ext % VECTOR == 0 and ext > VECTOR:
             outer, inner = sch.split(spatial[-1], factors=[None, VECTOR])
             sch.vectorize(inner)
@@ -58,7 +54,7 @@ class ParallelFallback(dl.ScheduleRule):
 
     @staticmethod
     def _reduction(sch, block, spatial, reduce_):
-        ext = _static(sch, spatial[-1])
+        ext = static_extent(sch, spatial[-1])
         if not ext or ext % VECTOR:
             lead = spatial  # e.g. a row reduction: parallel rows, serial reduction
             sch.reorder(*spatial, *reduce_)
@@ -73,18 +69,3 @@ class ParallelFallback(dl.ScheduleRule):
         if sch.get(block).init is not None:
             sch.decompose_reduction(block, reduce_[0])
 
-
-def _inline_elementwise(sch):
-    """Inline every element-wise block that is not an output into its consumers."""
-    progress = True
-    while progress:
-        progress = False
-        for block in sch.get_child_blocks(sch.get_sblock("root")):
-            if any(iv.iter_type != DATA_PAR for iv in sch.get(block).iter_vars):
-                continue
-            try:
-                sch.compute_inline(block)
-            except Exception:  # noqa: BLE001 - an output, or not inlinable
-                continue
-            progress = True
-            break

@@ -5,7 +5,8 @@ For a block C[.., i, j] += A[.., i, r] * B[.., r, j] the own loops (i, j, r) bec
 so ROWS vector rows of C stay in registers while r runs; the reduction's init is split off
 in front of the r loop. Element-wise blocks just get their innermost loop vectorized."""
 
-DATA_PAR, COMM_REDUCE = 0, 2
+from .common import COMM_REDUCE, DATA_PAR, static_extent
+
 ROWS = 4  # accumulator rows kept in registers (ROWS x j vectors)
 
 
@@ -34,11 +35,6 @@ def _dominant(sch, block):
     return True
 
 
-def _extent(sch, loop):
-    ext = sch.get(loop).extent
-    return int(ext) if hasattr(ext, "value") else None
-
-
 def vectorize_inner(sch, func_name, rows=ROWS):
     for block in list(_blocks(sch)):
         loops = _own_loops(sch, block)
@@ -52,7 +48,7 @@ def vectorize_inner(sch, func_name, rows=ROWS):
         init_at = None
         if reduce_:
             inner_rows = []
-            ext = _extent(sch, spatial[-2]) if len(spatial) > 1 else None
+            ext = static_extent(sch, spatial[-2]) if len(spatial) > 1 else None
             if ext and rows > 1 and ext % rows == 0:
                 outer, inner = sch.split(spatial[-2], factors=[None, rows])
                 spatial = spatial[:-2] + [outer, spatial[-1]]

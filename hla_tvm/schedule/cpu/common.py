@@ -1,0 +1,36 @@
+"""Helpers the CPU schedule rules share (not rules themselves)."""
+from __future__ import annotations
+
+DATA_PAR, COMM_REDUCE = 0, 2   # IterVar kinds: data parallel, commutative reduction
+
+
+def static_extent(sch, loop):
+    """The loop's extent as an int, None when it is symbolic."""
+    ext = sch.get(loop).extent
+    return int(ext.value) if hasattr(ext, "value") else None
+
+
+def is_elementwise(sch, block):
+    """True when every iterator of `block` is data parallel."""
+    return all(iv.iter_type == DATA_PAR for iv in sch.get(block).iter_vars)
+
+
+def inline_elementwise(sch, blocks, *, reverse=False):
+    """Inline the element-wise `blocks` wherever the schedule allows: into their consumers
+    (compute_inline), and with `reverse` also into their producer (reverse_compute_inline),
+    until no more can go. Returns the blocks left."""
+    prims = (sch.compute_inline, sch.reverse_compute_inline) if reverse else (sch.compute_inline,)
+    left = [b for b in blocks if is_elementwise(sch, b)]
+    progress = True
+    while progress and left:
+        progress = False
+        for block in list(left):
+            for prim in prims:
+                try:
+                    prim(block)
+                except Exception:  # noqa: BLE001 - an output, or not inlinable this way
+                    continue
+                left.remove(block)
+                progress = True
+                break
+    return left
