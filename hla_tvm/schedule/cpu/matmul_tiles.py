@@ -3,12 +3,14 @@ of a model legalize (x [.., T, K] times a weight [K, N]), with their injective e
 
     C[.., i, j] = sum_k A[.., i, k] B[.., k, j];   out = f(C, ...) element-wise
 
-Each output tile (ROWS rows x COLS columns) accumulates in registers; the loops become
-    parallel(j_outer, lead.., i_outer), k, i_inner (unrolled), j_inner (vectorized)
-with j_outer first when one W serves every leading index (a thread keeps its W slice in cache
-over the whole batch) and after the leading axes when W has its own. One B row segment of COLS
-floats feeds ROWS rows per load; the tile is written once, through the epilogue (inlined into
-the write-back), so the product never makes a round trip to memory.
+Each output tile (ROWS rows x COLS columns, `tile_shape`) accumulates in registers; the loops
+become
+    parallel(j_outer, lead..), i_outer, k, i_inner (unrolled), j_inner (vectorized)
+with j_outer first when one W serves every leading index (a thread keeps its K x COLS slice of W
+in cache over the whole batch) and after the leading axes when W has its own. A symbolic row
+count (the prompt length) is split into whole tiles and one predicated tail (loop partition).
+One B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through the
+epilogue (inlined into the write-back), so the product never makes a round trip to memory.
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from tvm.s_tir import dlight as dl
 
 from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
 
-COLS = (64, 32, 16, 8)  # column tile: the first that divides N
-TILE = 64               # floats per register tile: ROWS = TILE // COLS rows
+ROW_COLS = (64, 32, 16, 8)  # one row (a decode step): wide column tiles stream W rows
+ACCUMULATORS = 12           # vector registers a tile may hold (AVX2 has 16, AVX-512 32)
 
 
 def _is_var(expr, var):
@@ -52,23 +54,46 @@ def _weight_shared(block):
                for r in block.reads)
 
 
-def _column_tile(n, choices=COLS):
+def _column_tile(n, choices):
     return next((c for c in choices if n is not None and n % c == 0), None)
+
+
+def vector_lanes(target):
+    """float32 lanes of the target's widest vector unit (16 AVX-512, 8 AVX2, 4 SSE/NEON)."""
+    from tvm.target import codegen
+
+    for feature, lanes in (("avx512f", 16), ("avx2", 8), ("avx", 8)):
+        try:
+            if codegen.target_has_features(feature, target):
+                return lanes
+        except Exception:  # noqa: BLE001 - a target LLVM cannot query
+            break
+    return 4
+
+
+def tile_shape(rows_ext, n, lanes):
+    """(rows, cols) of the register tile for a row count `rows_ext` (None: symbolic) and N = `n`:
+    one row -> the widest of ROW_COLS dividing N; more -> two vectors of columns (one when
+    that does not divide N) and as many rows as ACCUMULATORS registers allow."""
+    if rows_ext == 1:
+        return 1, _column_tile(n, ROW_COLS)
+    cols = _column_tile(n, (2 * lanes, lanes, 8))
+    return (max(1, ACCUMULATORS // max(1, (cols or 1) // lanes)), cols)
 
 
 class MatmulTiles(dl.ScheduleRule):
     """dlight rule: register-tiled outer-reduction matmul plus its element-wise epilogue."""
 
-    def __init__(self, rows=None, cols=COLS):
-        self.rows, self.cols = rows, cols
+    def __init__(self, rows=None, cols=None):
+        self.rows, self.cols = rows, cols   # fixed tile (tests, experiments); None: tile_shape
 
     def apply(self, func, target, _tunable):
         try:
-            return self._apply(func)
+            return self._apply(func, vector_lanes(target))
         except (s_tir.ScheduleError, ValueError):
             return None  # a shape the primitives refuse: the rules after this one take it
 
-    def _apply(self, func):
+    def _apply(self, func, lanes):
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
@@ -82,23 +107,26 @@ class MatmulTiles(dl.ScheduleRule):
         if len(loops) != len(sch.get(block).iter_vars):
             return None
         *lead, i, j, k = loops
-        cols = _column_tile(static_extent(sch, j), self.cols)
-        if cols is None:
+        rows_ext = static_extent(sch, i)
+        rows, cols = tile_shape(rows_ext, static_extent(sch, j), lanes)
+        rows, cols = self.rows or rows, self.cols or cols
+        if cols is None or static_extent(sch, j) % cols:
             return None
         shared = _weight_shared(sch.get(block))
         jo, ji = sch.split(j, factors=[None, cols])
-        rows = self.rows or max(1, TILE // cols)
-        rows_ext = static_extent(sch, i)
-        if rows > 1 and (rows_ext is None or (rows_ext % rows == 0 and rows_ext > 1)):
+        if rows_ext is not None:   # the largest tile height that divides the rows
+            rows = max(r for r in range(1, min(rows, rows_ext) + 1) if rows_ext % r == 0)
+        if rows > 1:
             io, ii = sch.split(i, factors=[None, rows])
         else:
             io, ii = i, None
-        # a W shared by all leading indices (x [B, T, K] @ W [K, N]): column tiles outermost,
-        # so a thread keeps its K x COLS slice of W in cache over every row of every batch
-        outer = [jo, *lead, io] if shared else [*lead, jo, io]
-        sch.reorder(*outer, k, *([ii] if ii is not None else []), ji)
-        tile = sch.fuse(*outer)
-        sch.parallel(tile)
+        outer = [jo, *lead] if shared else [*lead, jo]
+        sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        tile = io
+        if ii is not None and rows_ext is None:
+            # a symbolic row count: whole tiles, then one predicated tail
+            sch.annotate(io, "pragma_loop_partition_hint", 1)
         acc = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(acc, tile)
         epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
