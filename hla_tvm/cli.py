@@ -68,7 +68,9 @@ def _run(args):
 
     from .runtime import load
 
-    m = load(args.module)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("hla-tvm run: --threads must be a positive integer")
+    m = load(args.module, threads=args.threads)
     try:
         prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
     except ValueError:
@@ -161,6 +163,9 @@ def build_parser():
     r.add_argument("module", help="a library written by `hla-tvm compile`")
     r.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
     r.add_argument("--steps", type=int, default=16, help="tokens to generate (default 16)")
+    r.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
+                        "physical core)")
     r.set_defaults(func=_run)
 
     c = sub.add_parser("cache", help="show (or --clear) the compiled-kernel cache folder")

@@ -199,5 +199,5 @@ class CompiledModel:
         state = self._check_state(state, tokens.shape[0])
         res = list(self._vm[entry](tokens, *state))
         new_state = res[1:]
-        self._issued = (new_state, tokens.shape[0])
+        self._issued = (tuple(new_state), tokens.shape[0])  # a copy: the caller's list may change
         return np.from_dlpack(res[0]).copy(), new_state

@@ -98,6 +98,13 @@ def test_wrong_state_is_refused(compiled):
         m.prefill(np.zeros((2, 4), dtype=np.float32), m.init_state(2))
     with pytest.raises(ValueError, match=r"tokens must lie in \[0, 40\)"):
         m.decode(np.array([VOCAB, 0]), m.init_state(2))
+    # the state a call returned is trusted as is, but not once the caller changes the list
+    _, state = m.decode(np.zeros(2, dtype=np.int64), m.init_state(2))
+    state[0] = np.zeros((2, 1, 1), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"state entry layer0\.\w+ must have shape"):
+        m.decode(np.zeros(2, dtype=np.int64), state)
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        load(path, threads=0)
 
 
 def test_bad_module_files(tmp_path):
@@ -115,6 +122,10 @@ def test_cli_compile_and_run(tmp_path, capsys):
     assert main(["run", str(tmp_path / "m.so"), "--prompt-ids", "1,2,3", "--steps", "5"]) == 0
     out = capsys.readouterr()
     assert len(out.out.strip().splitlines()[-1].split()) == 5 and "tokens/s" in out.err
+    # one thread or the default pool: the same greedy tokens (columns split, not reductions)
+    assert main(["run", str(tmp_path / "m.so"), "--prompt-ids", "1,2,3", "--steps", "5",
+                 "--threads", "1"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == out.out.strip().splitlines()[-1]
 
 
 def test_compile_argument_checks(tmp_path):
