@@ -109,7 +109,8 @@ def cpu_pipeline(target):
     def _pipeline(mod, _ctx):
         seq = tvm.transform.Sequential(
             cpu.library_dispatch_passes(target) + cpu.legalize_passes(target)
-            + [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback())]
+            + [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
+                                       ParallelFallback())]
             + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
         return seq(mod)
 

@@ -71,12 +71,13 @@ def set_threads(threads=None):
     pool once, from $TVM_NUM_THREADS, when the thread first runs a parallel kernel; later
     calls can lower the count below that size, not raise it. Returns the count asked for."""
     tvm = _import_tvm_runtime()
+    env = os.environ.get("TVM_NUM_THREADS", "")
+    env = int(env) if env.isdigit() else 0
     if threads is None:
-        env = os.environ.get("TVM_NUM_THREADS", "")
-        threads = int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+        threads = env or physical_cores()
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-    if int(os.environ.get("TVM_NUM_THREADS", "0") or 0) < threads:
+    if env < threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
     tvm.get_global_func("runtime.config_threadpool")(1, threads)
     return threads

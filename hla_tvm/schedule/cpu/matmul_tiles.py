@@ -107,10 +107,10 @@ class MatmulTiles(dl.ScheduleRule):
         if len(loops) != len(sch.get(block).iter_vars):
             return None
         *lead, i, j, k = loops
-        rows_ext = static_extent(sch, i)
-        rows, cols = tile_shape(rows_ext, static_extent(sch, j), lanes)
+        rows_ext, n = static_extent(sch, i), static_extent(sch, j)
+        rows, cols = tile_shape(rows_ext, n, lanes)
         rows, cols = self.rows or rows, self.cols or cols
-        if cols is None or static_extent(sch, j) % cols:
+        if cols is None or n is None or n % cols:
             return None
         shared = _weight_shared(sch.get(block))
         jo, ji = sch.split(j, factors=[None, cols])
@@ -123,19 +123,18 @@ class MatmulTiles(dl.ScheduleRule):
         outer = [jo, *lead] if shared else [*lead, jo]
         sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-        tile = io
         if ii is not None and rows_ext is None:
             # a symbolic row count: whole tiles, then one predicated tail
             sch.annotate(io, "pragma_loop_partition_hint", 1)
         acc = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(acc, tile)
+        sch.reverse_compute_at(acc, io)
         epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
                     if not b.same_as(block) and not b.same_as(acc)]
         inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
         for b in sch.get_child_blocks(sch.get_sblock("root")):
-            if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, tile):
-                sch.reverse_compute_at(b, tile)
-        for b in sch.get_child_blocks(tile):
+            if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, io):
+                sch.reverse_compute_at(b, io)
+        for b in sch.get_child_blocks(io):
             if b.same_as(block):
                 continue
             inner = sch.get_loops(b)[-1]
