@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from hla_tvm.compile import compile as compile_model
+from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 

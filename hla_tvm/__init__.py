@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return hla
     if name == "compile":
-        from .compile import compile as compile_model
+        from .compiler import compile as compile_model
 
         return compile_model
     raise AttributeError(f"module 'hla_tvm' has no attribute {name!r}")

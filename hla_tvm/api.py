@@ -98,20 +98,30 @@ def _tvm_not_yet(op, *, decay, device):
 
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
-    """The reference: chunk form (serial where padding meets decay), in float64 for float64
-    input and float32 otherwise."""
+    """The reference: chunk form, in float64 for float64 input and float32 otherwise. The
+    serial recurrence runs instead where the chunk form cannot give the exact answer: padding
+    together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
+    zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
+    outputs)."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     st = None if state is None else {n: x.to(work) for n, x in state.items()}
-    if mask is not None and decay is not None:
+    if mask is not None and decay is None:
+        # a zero token leaves every undecayed summary unchanged; select, never multiply, so an
+        # inf/NaN in a padded position has no effect
+        qw, kw, vw = (_zero_padding(x, mask) for x in (qw, kw, vw))
+        mask = None
+    if mask is not None or not all(bool(torch.isfinite(x).all()) for x in (qw, kw, vw)):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
     else:
-        if mask is not None:  # a zero token leaves every undecayed summary unchanged
-            keep = mask[:, None, :, None].to(work)
-            qw, kw, vw = qw * keep, kw * keep, vw * keep
         out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
     return out.to(q.dtype), st
+
+
+def _zero_padding(x, mask):
+    """x [B, H, T, D] with the padded tokens (mask [B, T] False) set to zero by selection."""
+    return torch.where(mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype))
 
 
 def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
@@ -125,8 +135,7 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
         if decay is not None:
             raise NotImplementedError("backend='tvm' does not support yet: attention_mask "
                                       "together with decay (backend='torch' does)")
-        keep = mask[:, None, :, None].to(q.dtype)
-        q, k, v = q * keep, k * keep, v * keep
+        q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
     acc = tvm_backend.accum_dtype(q.dtype)
     if state is None:
         st = op.ref.zero_state(B, H, dk, dv, acc)

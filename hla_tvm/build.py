@@ -5,12 +5,13 @@ and target, plus the package and TVM versions. Batch, heads and length are symbo
 compiled module serves every B, H and T."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 import threading
 import warnings
+
+from . import libfile
 
 _MEMORY: dict = {}
 _LOCK = threading.Lock()
@@ -25,14 +26,13 @@ def cache_dir():
     return os.path.join(base, "hla_tvm")
 
 
-def cache_key(spec: dict, target) -> str:
+def _key_blob(spec: dict, target) -> str:
     import tvm
 
     from . import __version__
 
-    blob = json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
+    return json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
                        "tvm": tvm.__version__}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def schedule_module(mod, target):
@@ -52,45 +52,52 @@ def schedule_module(mod, target):
 def load_or_build(spec: dict, make_funcs, target):
     """The compiled runtime module for `spec`: from memory, else from disk, else built.
 
-    make_funcs() returns {name: PrimFunc}. The built library is written to the cache folder
-    atomically; a cached file that fails to load is rebuilt with a warning."""
+    make_funcs() returns {name: PrimFunc}. The built library is sealed with the digest of its
+    spec and target (`libfile`) and written to the cache folder atomically; a cached file that
+    is truncated, corrupt, or sealed for another spec is rebuilt with a warning."""
     import tvm
 
     fast = (tuple(sorted(spec.items())), str(target))
     mod = _MEMORY.get(fast)  # the per-call path: no hashing, no lock
     if mod is not None:
         return mod
-    key = cache_key(spec, target)
+    blob = _key_blob(spec, target)
+    tag = libfile.tag_of(blob)
     with _LOCK:
         if fast in _MEMORY:
             return _MEMORY[fast]
-        path = os.path.join(cache_dir(), f"{spec['kind']}-{key}.so")
+        path = os.path.join(cache_dir(), f"{spec['kind']}-{tag.hex()[:24]}.so")
         mod = None
         if os.path.exists(path):
             try:
-                mod = tvm.runtime.load_module(path)
-            except Exception as err:  # a truncated or foreign file: rebuild it
-                warnings.warn(f"hla_tvm: ignoring unreadable cached kernel {path}: {err}")
+                mod = libfile.load(path, tag, what="cached kernel module")
+            except Exception as err:  # a truncated, corrupt or foreign file: rebuild it
+                warnings.warn(f"hla_tvm: rebuilding unreadable cached kernel {path}: {err}")
         if mod is None:
             funcs = make_funcs()
             irmod = tvm.IRModule({name: f.with_attr("global_symbol", name)
                                   for name, f in funcs.items()})
             exe = tvm.compile(schedule_module(irmod, target), target=target)
-            mod = _save(exe, path)
+            mod = _save(exe, path, tag)
         _MEMORY[fast] = mod
         return mod
 
 
-def _save(exe, path):
+def _save(exe, path, tag):
     import tvm
 
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
-        exe.export_library(tmp)
-        os.replace(tmp, path)
-        return tvm.runtime.load_module(path)
+        try:
+            exe.export_library(tmp)
+            libfile.seal(tmp, tag)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return libfile.load(path, tag, what="cached kernel module")
     except OSError as err:  # read-only home, full disk: run from memory
         warnings.warn(f"hla_tvm: cannot write kernel cache {path}: {err}")
         return exe

@@ -1,8 +1,25 @@
-"""The `hla-tvm` command line."""
+"""The `hla-tvm` command line.
+
+Expected errors (a missing or bad file, a bad target or argument) end the command with one line
+on stderr, `hla-tvm COMMAND: error: ...`, and exit code 2; `--debug` shows the traceback."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+# what a user can cause: bad files, targets, arguments, unsupported options
+EXPECTED_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
+
+
+def _positive(text):
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def _demo(args):
@@ -19,30 +36,27 @@ def _bench(args):
 
 
 def _compile(args):
-    import json
+    from .compiler import resolve_cpu_target
+    from .target import parse
 
-    from .compile import compile as compile_model
-    from .models import HLALM
-
-    target = args.target
-    if target.strip().startswith("{"):
-        try:
-            target = json.loads(target)
-        except json.JSONDecodeError as err:
-            raise SystemExit(f"hla-tvm compile: --target is not valid JSON: {err}")
+    target = parse(args.target)
+    tgt = resolve_cpu_target(target)   # a bad target fails before any model work
     if args.checkpoint.endswith(".onnx"):
         from .onnx import compile as compile_onnx
 
         if args.max_batch is not None:
-            raise SystemExit("hla-tvm compile: --max-batch applies to checkpoints, not ONNX")
+            raise ValueError("--max-batch applies to checkpoints, not ONNX models")
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
-              f"{target} ...", flush=True)
-        out = compile_onnx(args.checkpoint, target=target, out=args.output)
+              f"{tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
+        out = compile_onnx(args.checkpoint, target=tgt, out=args.output)
     else:
+        from .compiler import compile as compile_model
+        from .models import HLALM
+
         model = HLALM.load(args.checkpoint)
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
-              f"parameters) for {target} ...", flush=True)
-        out = compile_model(model, target=target, out=args.output, max_batch=args.max_batch)
+              f"parameters) for {tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
+        out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch)
     print(f"wrote {out}")
     return 0
 
@@ -52,13 +66,24 @@ def _export_onnx(args):
     from .onnx import export
 
     model = HLALM.load(args.checkpoint)
-    entry = "decode step" if args.decode else "prefill"
+    entry = "decode step" if args.decode else "prefill from a given state" if args.from_state \
+        else "prefill"
     print(f"exporting {args.checkpoint} ({entry}) to ONNX ...", flush=True)
-    proto = export(model, args.output, decode=args.decode)
+    proto = export(model, args.output, decode=args.decode, from_state=args.from_state)
     n = sum(1 for node in proto.graph.node if node.domain == "hla_tvm")
     print(f"wrote {args.output}: {len(proto.graph.node)} nodes, {n} hla_tvm::HLA, "
           f"{len(proto.functions)} function bodies (opset {proto.opset_import[0].version})")
     return 0
+
+
+def _prompt_ids(text):
+    try:
+        prompt = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not prompt:
+        raise ValueError("--prompt-ids needs at least one token")
+    return prompt
 
 
 def _run(args):
@@ -68,15 +93,8 @@ def _run(args):
 
     from .runtime import load
 
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit("hla-tvm run: --threads must be a positive integer")
+    prompt = _prompt_ids(args.prompt_ids)
     m = load(args.module, threads=args.threads)
-    try:
-        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit("hla-tvm run: --prompt-ids must be comma-separated integers")
-    if not prompt:
-        raise SystemExit("hla-tvm run: --prompt-ids needs at least one token")
     state = m.init_state(1)
     t0 = time.perf_counter()
     logits, state = m.prefill(np.array([prompt]), state)
@@ -88,8 +106,9 @@ def _run(args):
         tokens.append(int(logits[0].argmax()))
     t_decode = time.perf_counter() - t0
     print(" ".join(map(str, tokens)))
-    rate = (args.steps - 1) / t_decode if args.steps > 1 and t_decode > 0 else float("nan")
-    print(f"prefill {len(prompt)} tokens: {t_prefill * 1e3:.2f} ms; decode: {rate:.1f} tokens/s",
+    rate = f"{(args.steps - 1) / t_decode:.1f} tokens/s" if args.steps > 1 and t_decode > 0 \
+        else "no decode steps (--steps 1)"
+    print(f"prefill {len(prompt)} tokens: {t_prefill * 1e3:.2f} ms; decode: {rate}",
           file=sys.stderr)
     return 0
 
@@ -105,6 +124,8 @@ def _cache(args):
     if args.clear:
         shutil.rmtree(path, ignore_errors=True)
         print(f"removed {len(files)} cached kernel module(s) from {path}")
+    elif not files:
+        print(f"{path}: empty (kernels are compiled and cached on first use)")
     else:
         print(path)
         for f in files:
@@ -113,62 +134,83 @@ def _cache(args):
 
 
 def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
     p = argparse.ArgumentParser(
         prog="hla-tvm",
         description="Higher-order Linear Attention compiled with Apache TVM. Kernels are "
                     "compiled for this CPU on first use and cached (see `hla-tvm cache`).")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="compile the second-order kernels for this CPU, run a prompt "
-                                    "and a few decode steps, check them against float64 math")
-    d.add_argument("--length", type=int, default=300, help="prompt length (default 300)")
-    d.add_argument("--heads", type=int, default=4, help="heads (default 4)")
-    d.add_argument("--head-dim", type=int, default=32, help="head size Dk = Dv (default 32)")
+    def command(name, **kw):
+        return sub.add_parser(name, parents=[common],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+
+    d = command("demo", help="compile the second-order kernels for this CPU, run a prompt and a "
+                             "few decode steps, check them against float64 math")
+    d.add_argument("--length", type=_positive, default=300, help="prompt length")
+    d.add_argument("--heads", type=_positive, default=4, help="heads")
+    d.add_argument("--head-dim", type=_positive, default=32,
+                   help="head size Dk = Dv")
     d.set_defaults(func=_demo)
 
-    b = sub.add_parser("bench", help="time prefill and decode: TVM kernels vs PyTorch eager, "
-                                     "side by side, with ratios")
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--heads", type=int, default=8)
-    b.add_argument("--length", type=int, default=8192, help="prefill length (default 8192)")
-    b.add_argument("--head-dim", type=int, default=64)
-    b.add_argument("--chunk-size", type=int, default=64)
-    b.add_argument("--repeat", type=int, default=5, help="timed runs, best kept (default 5)")
+    b = command("bench", help="time prefill and decode: TVM kernels vs PyTorch eager, side by "
+                              "side, with ratios",
+                description="Time second-order masked HLA prefill (T tokens) and one decode step "
+                            "with the compiled TVM kernels and with PyTorch eager in one run; "
+                            "prints both and their ratio.")
+    b.add_argument("--batch", type=_positive, default=1, help="batch size B")
+    b.add_argument("--heads", type=_positive, default=8, help="heads H")
+    b.add_argument("--length", type=_positive, default=8192,
+                   help="prefill length T")
+    b.add_argument("--head-dim", type=_positive, default=64,
+                   help="head size Dk = Dv")
+    b.add_argument("--chunk-size", type=_positive, default=64,
+                   help="chunk size of the chunked prefill")
+    b.add_argument("--repeat", type=_positive, default=5,
+                   help="timed runs per case; the best is kept")
     b.set_defaults(func=_bench)
 
-    k = sub.add_parser("compile", help="compile an HLALM checkpoint or an ONNX model from "
-                                       "`export-onnx` into a deployable module (prefill/decode "
-                                       "entry points, runtime-only loading)")
+    k = command("compile", help="compile an HLALM checkpoint or an ONNX model from "
+                                "`export-onnx` into a deployable module (prefill/decode entry "
+                                "points, runtime-only loading)")
     k.add_argument("checkpoint", help="a checkpoint written by HLALM.save, or a .onnx file with "
                                       "hla_tvm::HLA nodes")
-    k.add_argument("-o", "--output", default="model.so", help="output library (model.so)")
+    k.add_argument("-o", "--output", default="model.so", help="output library")
     k.add_argument("--target", default="llvm",
-                   help='"llvm" for this CPU (default) or a TVM target as JSON, e.g. '
-                        '\'{"kind": "llvm", "mcpu": "znver4"}\'')
-    k.add_argument("--max-batch", type=int, default=None,
-                   help="upper bound of the batch size (lets TVM plan memory statically)")
+                   help='"llvm" for this CPU, a TVM target as JSON, e.g. '
+                        '\'{"kind": "llvm", "mcpu": "znver4"}\', or a target string TVM parses')
+    k.add_argument("--max-batch", type=_positive, default=None,
+                   help="upper bound of the batch size (lets TVM plan memory statically; "
+                        "larger batches are refused at run time)")
     k.set_defaults(func=_compile)
 
-    x = sub.add_parser("export-onnx", help="export an HLALM checkpoint to ONNX with "
-                                           "hla_tvm::HLA nodes and their function bodies (runs "
-                                           "in ONNX Runtime as is; `compile` takes it too)")
+    x = command("export-onnx", help="export an HLALM checkpoint to ONNX with hla_tvm::HLA nodes "
+                                    "and their function bodies (runs in ONNX Runtime as is; "
+                                    "`compile` takes it too)")
     x.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
-    x.add_argument("-o", "--output", default="model.onnx", help="output file (model.onnx)")
+    x.add_argument("-o", "--output", default="model.onnx", help="output file")
     x.add_argument("--decode", action="store_true",
                    help="export the one-token decode step (tokens [B] and state in, logits "
                         "[B, vocab] and state out) instead of the prefill graph")
+    x.add_argument("--from-state", action="store_true",
+                   help="the prefill graph also takes the state to continue from (by default "
+                        "it starts a fresh sequence from the tokens alone)")
     x.set_defaults(func=_export_onnx)
 
-    r = sub.add_parser("run", help="greedy generation with a compiled module (TVM runtime only)")
+    r = command("run", help="greedy generation with a compiled module (TVM runtime only)")
     r.add_argument("module", help="a library written by `hla-tvm compile`")
     r.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
-    r.add_argument("--steps", type=int, default=16, help="tokens to generate (default 16)")
-    r.add_argument("--threads", type=int, default=None,
+    r.add_argument("--steps", type=_positive, default=16,
+                   help="tokens to generate")
+    r.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
                         "physical core)")
     r.set_defaults(func=_run)
 
-    c = sub.add_parser("cache", help="show (or --clear) the compiled-kernel cache folder")
+    c = command("cache", help="show (or --clear) the compiled-kernel cache folder")
     c.add_argument("--clear", action="store_true", help="delete every cached module")
     c.set_defaults(func=_cache)
     return p
@@ -180,7 +222,19 @@ def main(argv=None):
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except EXPECTED_ERRORS as err:
+        if getattr(args, "debug", False):
+            raise
+        lines = [line for line in str(err).splitlines() if line.strip()] or \
+            [type(err).__name__]
+        message = lines[0] + (" ..." if len(lines) > 1 else "")
+        if isinstance(err, FileNotFoundError) and err.filename and err.filename not in message:
+            message = f"{message}: {err.filename}"
+        print(f"hla-tvm {args.command}: error: {message} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

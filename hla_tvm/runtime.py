@@ -9,14 +9,18 @@ This module imports neither torch nor TVM's compiler library: unless TVM is alre
 sets TVM_USE_RUNTIME_LIB=1 and keeps tvm_ffi's optional `import torch` from loading torch.
 The state is a list of device tensors, advanced in place by the compiled kernels: the list passed
 to prefill/decode is consumed; use `copy_state` to branch a sequence, `save_state`/`load_state`
-to keep one."""
+to keep one. One loaded model may serve several threads at once (each runs its own sequences)."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+import threading
+import zipfile
 
 import numpy as np
+
+from . import libfile
 
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
@@ -84,79 +88,131 @@ def set_threads(threads=None):
 
 
 class CompiledModel:
+    """A compiled HLA model: `init_state`, `prefill`, `decode`, and state copy/save/load.
+
+    Threads: one CompiledModel may be shared by any number of threads. The library is loaded
+    once; each thread drives its own Relax virtual machine over it (created on the thread's
+    first call; a VM holds one register file and must not run two calls at once), so calls from
+    different threads run concurrently and give the results a serial run gives. A state list
+    belongs to one sequence: two threads must not advance the same state at once. Each thread
+    that calls a kernel gets its own TVM worker pool of `threads` workers; with many serving
+    threads, load with threads=1."""
+
     def __init__(self, path, device="cpu", threads=None):
         tvm = _import_tvm_runtime()
-        from tvm.runtime import vm as tvm_vm
 
         if device != "cpu":
             raise ValueError(f"device must be 'cpu' for now, got {device!r}")
-        self.threads = set_threads(threads)
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
-        try:
-            lib = tvm.runtime.load_module(path)
-        except Exception as err:
-            raise ValueError(f"{path}: not a loadable TVM module ({err})") from None
+        self.threads = set_threads(threads)
+        # checked before the loader maps it: a bad file must not crash the process
+        self._lib = libfile.load(path)
         self._tvm = tvm
         self.device = tvm.cpu()
+        self._local = threading.local()
         try:
-            self._vm = tvm_vm.VirtualMachine(lib, self.device)
-            raw = self._vm[META_FUNC]()
+            raw = self._vm()[META_FUNC]()
             self.meta = json.loads(bytes(raw.numpy()).decode())
         except Exception as err:
             raise ValueError(f"{path}: not an hla_tvm compiled model ({err})") from None
-        if self.meta.get("format") != MODULE_FORMAT:
-            raise ValueError(f"{path}: module format {self.meta.get('format')!r}, expected "
-                             f"{MODULE_FORMAT!r}")
+        if not isinstance(self.meta, dict) or self.meta.get("format") != MODULE_FORMAT:
+            raise ValueError(f"{path}: module format "
+                             f"{self.meta.get('format') if isinstance(self.meta, dict) else None!r}"
+                             f", expected {MODULE_FORMAT!r}")
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")
+        self.max_batch = self.meta.get("max_batch")
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
-        self._issued = ((), None)  # the last state this module returned, and its batch
+
+    def _vm(self):
+        """This thread's virtual machine over the shared library."""
+        vm = getattr(self._local, "vm", None)
+        if vm is None:
+            from tvm.runtime import vm as tvm_vm
+
+            if threading.current_thread() is not threading.main_thread():
+                set_threads(self.threads)
+            vm = self._local.vm = tvm_vm.VirtualMachine(self._lib, self.device)
+            self._local.issued = ((), None)
+        return vm
 
     # --- state -------------------------------------------------------------------------------
+    def _check_batch(self, batch, what):
+        if self.max_batch is not None and batch > self.max_batch:
+            raise ValueError(f"{what}: batch {batch} exceeds this module's max_batch "
+                             f"{self.max_batch} (compiled with --max-batch {self.max_batch}; "
+                             "compile again with a larger bound or none)")
+
     def init_state(self, batch):
         """The zero state of `batch` fresh sequences."""
-        if not isinstance(batch, int) or batch < 1:
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ValueError(f"batch must be a positive int, got {batch!r}")
+        batch = int(batch)
+        self._check_batch(batch, "init_state")
         return [self._tvm.runtime.tensor(np.zeros((batch, *shape), dtype=dtype), self.device)
                 for _, shape, dtype in self.state_spec]
 
     def copy_state(self, state):
+        """An independent copy of `state` (to branch a sequence)."""
+        state = self._check_state(state, _batch_of(state), "copy_state")
         return [self._tvm.runtime.tensor(x.numpy(), self.device) for x in state]
 
     def save_state(self, state, path):
         """Write the state to an .npz file (one array per entry, named as in state_spec)."""
+        state = self._check_state(state, _batch_of(state), "save_state")
         np.savez(path, **{n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)})
 
     def load_state(self, path):
-        """A state written by save_state, checked against this model."""
-        with np.load(path, allow_pickle=False) as f:
-            missing = [n for n, _, _ in self.state_spec if n not in f.files]
-            if missing:
-                raise ValueError(f"{path}: not a state of this model (missing {missing[:3]})")
-            arrays = [f[n] for n, _, _ in self.state_spec]
-        batch = arrays[0].shape[0] if arrays[0].ndim else 0
-        return self._check_state(arrays, batch)
+        """A state written by save_state, checked against this model (names, shapes, dtypes,
+        finite values); ValueError naming the file and the entry otherwise."""
+        path = os.fspath(path)
+        names = [n for n, _, _ in self.state_spec]
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                missing = [n for n in names if n not in f.files]
+                if missing:
+                    raise ValueError(f"{path}: not a state of this model (missing entries "
+                                     f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
+                arrays = [f[n] for n in names]
+        except ValueError:
+            raise
+        except FileNotFoundError:
+            raise
+        except (OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
+            raise ValueError(f"{path}: not a readable state file ({err})") from None
+        first = self.state_spec[0]
+        batch = arrays[0].shape[0] if arrays[0].ndim == len(first[1]) + 1 else None
+        if batch is None or batch < 1:
+            raise ValueError(f"{path}: state entry {first[0]} must have shape "
+                             f"{_want(first[1])}, got {list(arrays[0].shape)}")
+        for (name, _, _), x in zip(self.state_spec, arrays):
+            if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+                raise ValueError(f"{path}: state entry {name} holds non-finite values "
+                                 f"(NaN or inf); refusing it")
+        return self._check_state(arrays, batch, path)
 
-    def _check_state(self, state, batch):
-        issued, issued_batch = self._issued
+    def _check_state(self, state, batch, what="state"):
+        issued, issued_batch = getattr(self._local, "issued", ((), None))
         if batch == issued_batch and isinstance(state, (list, tuple)) and \
                 len(state) == len(issued) and all(a is b for a, b in zip(state, issued)):
-            return state  # exactly the tensors the last call returned: already checked
+            return state  # exactly the tensors this thread's last call returned: already checked
         if not isinstance(state, (list, tuple)) or len(state) != len(self.state_spec):
-            raise ValueError(f"state must be a list of {len(self.state_spec)} tensors (from "
-                             f"init_state), got {type(state).__name__} of "
+            raise ValueError(f"{what}: state must be a list of {len(self.state_spec)} tensors "
+                             f"(from init_state), got {type(state).__name__} of "
                              f"{len(state) if isinstance(state, (list, tuple)) else '?'}")
+        self._check_batch(batch, what)
         out = []
         for (name, shape, dtype), x in zip(self.state_spec, state):
-            got = tuple(x.shape)
+            got = tuple(getattr(x, "shape", ()))
             if got != (batch, *shape):
-                raise ValueError(f"state entry {name} must have shape {[batch, *shape]} for "
-                                 f"batch {batch}, got {list(got)}")
-            if str(x.dtype) != dtype:
-                raise ValueError(f"state entry {name} must be {dtype}, got {x.dtype}")
+                raise ValueError(f"{what}: state entry {name} must have shape "
+                                 f"{_want(shape, batch)}, got {list(got)}")
+            if str(getattr(x, "dtype", None)) != dtype:
+                raise ValueError(f"{what}: state entry {name} must be {dtype}, got "
+                                 f"{getattr(x, 'dtype', type(x).__name__)}")
             if not isinstance(x, self._tvm.runtime.Tensor):
                 x = self._tvm.runtime.tensor(np.ascontiguousarray(x), self.device)
             out.append(x)
@@ -174,6 +230,7 @@ class CompiledModel:
         if self.vocab_size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got "
                              f"[{arr.min()}, {arr.max()}]")
+        self._check_batch(arr.shape[0], what)
         # numpy arrays go to the module through DLPack, no copy
         return np.ascontiguousarray(arr, dtype=np.int64)
 
@@ -197,8 +254,21 @@ class CompiledModel:
         return self._run("decode", t, state)
 
     def _run(self, entry, tokens, state):
+        vm = self._vm()
         state = self._check_state(state, tokens.shape[0])
-        res = list(self._vm[entry](tokens, *state))
+        res = list(vm[entry](tokens, *state))
         new_state = res[1:]
-        self._issued = (tuple(new_state), tokens.shape[0])  # a copy: the caller's list may change
+        # a copy: the caller's list may change
+        self._local.issued = (tuple(new_state), tokens.shape[0])
         return np.from_dlpack(res[0]).copy(), new_state
+
+
+def _batch_of(state):
+    """The leading dimension of a state's first entry (0 when there is none)."""
+    if isinstance(state, (list, tuple)) and state and len(getattr(state[0], "shape", ())) >= 1:
+        return int(state[0].shape[0])
+    return 0
+
+
+def _want(shape, batch=None):
+    return "[" + ", ".join([str(batch) if batch is not None else "B", *map(str, shape)]) + "]"

@@ -1,8 +1,11 @@
-"""Resolving the `target=` argument to a tvm.target.Target."""
+"""Resolving the `target=` argument to a tvm.target.Target, checked before any other work."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+
+HOST_ALIASES = (None, "llvm", "host")
 
 
 @functools.lru_cache(maxsize=None)
@@ -14,22 +17,48 @@ def host_target():
                               "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
-def resolve(target):
-    """None -> the host CPU; "llvm" -> the host CPU; a dict or Target -> as given.
+def parse(text):
+    """A command-line --target value: "llvm"/"host" for this CPU, JSON for a dict, or any
+    string TVM's Target parser takes (a kind such as "c", a tag such as "nvidia/nvidia-a100")."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--target is not valid JSON: {err}") from None
+    return text
 
-    TVM 0.27 takes targets as dicts ({"kind": "llvm", "mcpu": "znver4"}); strings with flags
-    ("llvm -mcpu=...") are rejected by TVM, so we reject them here with the dict spelling."""
+
+def resolve(target):
+    """None, "llvm" or "host" -> the host CPU; a dict, a Target, or a string TVM's own parser
+    accepts -> that target. ValueError (naming the target and why) for anything else.
+
+    TVM 0.27 no longer parses flag strings ("llvm -mcpu=..."); give a dict instead,
+    {"kind": "llvm", "mcpu": "znver4"}. An LLVM CPU name is checked against LLVM's list."""
     import tvm
 
-    if target is None or target == "llvm":
+    if isinstance(target, str) and target.strip() in HOST_ALIASES:
+        return host_target()
+    if target is None:
         return host_target()
     if isinstance(target, tvm.target.Target):
-        return target
-    if isinstance(target, dict):
-        return tvm.target.Target(target)
-    if isinstance(target, str):
-        raise ValueError(
-            f"target={target!r}: give a dict such as {{'kind': 'llvm', 'mcpu': 'znver4'}} "
-            "or a tvm.target.Target; only the bare kind 'llvm' is accepted as a string")
-    raise TypeError(f"target must be None, 'llvm', a dict or a tvm.target.Target, "
-                    f"got {type(target).__name__}")
+        tgt = target
+    elif isinstance(target, (dict, str)):
+        try:
+            tgt = tvm.target.Target(target)
+        except Exception as err:   # TVM raises ValueError, TVMError or KeyError
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"target={target!r} is not a TVM target ({reason}); give 'llvm' for this CPU, "
+                "a dict such as {'kind': 'llvm', 'mcpu': 'znver4'}, or a target tag") from None
+    else:
+        raise TypeError(f"target must be None, a string, a dict or a tvm.target.Target, "
+                        f"got {type(target).__name__}")
+    if tgt.kind.name == "llvm":
+        mcpu = str(tgt.attrs.get("mcpu", "") or "")
+        triple = str(tgt.attrs.get("mtriple", "") or "") or \
+            tvm.target.codegen.llvm_get_system_triple()
+        if mcpu and not tvm.target.codegen.llvm_is_valid_cpu(mcpu, triple):
+            raise ValueError(f"target={target!r}: LLVM does not know the CPU {mcpu!r} for "
+                             f"{triple}")
+    return tgt

@@ -10,7 +10,7 @@ import torch
 
 from conftest import rel_err
 from hla_tvm.cli import main
-from hla_tvm.compile import compile as compile_model
+from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 

@@ -46,8 +46,8 @@ def test_onnx_runtime_matches_pytorch(exported):
     model, prefill, decode, _ = exported
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (2, 19))
-    zero = [x.numpy() for layer in model.init_state(2) for x in layer.values()]
-    logits, *state = _feed(hla_onnx.session(prefill), tokens, zero)
+    # the default prefill graph starts a fresh sequence from the tokens alone
+    logits, *state = hla_onnx.session(prefill).run(None, {"tokens": tokens})
     ref, ref_state = _torch(model, tokens)
     assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
     step = hla_onnx.session(decode)
@@ -124,3 +124,26 @@ def test_export_refuses_other_modules(tmp_path):
         hla_onnx.export(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
     with pytest.raises(ValueError, match="example_tokens"):
         hla_onnx.export(HLALM(VOCAB, 16, 1, 2), tmp_path / "x.onnx", torch.zeros(2, 3))
+
+
+def test_prefill_from_state_is_an_export_option(tmp_path):
+    """from_state=True: the prefill graph continues a given state (ORT and TVM), and the
+    default graph's ONNX Runtime session needs nothing but the tokens."""
+    torch.manual_seed(3)
+    model = HLALM(VOCAB, 32, 1, 4, decay=[0.9, 0.8], n_kv_heads=2).eval()
+    fresh, cont = tmp_path / "fresh.onnx", tmp_path / "cont.onnx"
+    hla_onnx.export(model, fresh)
+    hla_onnx.export(model, cont, from_state=True)
+    assert [i.name for i in hla_onnx.session(fresh).get_inputs()] == ["tokens"]
+    rng = np.random.default_rng(4)
+    first, second = rng.integers(0, VOCAB, (2, 7)), rng.integers(0, VOCAB, (2, 9))
+    _, state = _torch(model, first)
+    ref, _ = _torch(model, second, state)
+    flat = [x.numpy() for layer in state for x in layer.values()]
+    logits, *_ = _feed(hla_onnx.session(cont), second, flat)
+    assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    for path in (fresh, cont):   # both compile to prefill-from-state modules
+        m = load(hla_onnx.compile(path, out=tmp_path / f"{path.stem}.so"))
+        _, st = m.prefill(first, m.init_state(2))
+        logits, _ = m.prefill(second, st)
+        assert rel_err(torch.from_numpy(logits), ref) <= 1e-4

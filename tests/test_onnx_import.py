@@ -6,7 +6,7 @@ import tvm
 from onnx import TensorProto, helper
 
 from hla_tvm import onnx as hla_onnx
-from hla_tvm.compile import cpu_pipeline
+from hla_tvm.compiler import cpu_pipeline
 from hla_tvm.onnx import function as F
 from hla_tvm.target import host_target
 from test_onnx_function import _check_against_reference, _inputs, _model

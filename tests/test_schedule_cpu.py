@@ -8,7 +8,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm import te  # noqa: E402
 
-from hla_tvm.compile import resolve_cpu_target  # noqa: E402
+from hla_tvm.compiler import resolve_cpu_target  # noqa: E402
 from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, is_outer_matmul  # noqa: E402
 from hla_tvm.schedule.cpu.parallel_fallback import ParallelFallback  # noqa: E402
 

@@ -150,16 +150,32 @@ def _emit_scan_family(bb, name, tag, q, k, v, state, gamma, chunk, dtype, opts, 
     return o, [S2, C2, m2, G2, h2]
 
 
+def zero_state(bb, q, shapes):
+    """Distinct zero tensors of `shapes` [B, H, ...] computed from q's shape at run time (never
+    folded into module constants, which the in-place kernels would otherwise mutate)."""
+    tails = [tuple(int(d) for d in sh[2:]) for sh in shapes]
+    name = "hla_zero_state_" + "_".join("x".join(map(str, t)) for t in tails)
+    gv = next((g for g in bb.get().get_global_vars() if g.name_hint == name), None)
+    if gv is None:
+        gv = bb.add_func(_tir.zero_state(tails).with_attr("global_symbol", name), name)
+    res = bb.emit(relax.call_tir(gv, [q], [relax.TensorType(sh, "float32") for sh in shapes]))
+    return [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
+
+
 def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
                   normalize=False, eps=1e-6, ridge=0.0, chunk=64):
     """(o, new_state list) of one HLA operator call with grouped key/value heads: q [B, H, T, Dk],
     k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], state entries in `state_names` order (k/v-only entries
-    with Hkv heads), decay: per-query-head gamma [H] or None. The kernels run H heads: k, v and
-    the k/v-only entries are repeated, and the new k/v-only entries keep each group's first."""
+    with Hkv heads; empty for a fresh sequence, which starts from zeros), decay: per-query-head
+    gamma [H] or None. The kernels run H heads: k, v and the k/v-only entries are repeated, and
+    the new k/v-only entries keep each group's first."""
     op = operators.get(order, asymmetric)
     H, Hkv = int(q.ty.shape[1]), int(k.ty.shape[1])
     group = H // Hkv
     names = op.state_names
+    if not state:   # a fresh sequence
+        shapes = op.state_shapes(_shape(q)[0], H, Hkv, int(q.ty.shape[3]), int(v.ty.shape[3]))
+        state = zero_state(bb, q, [list(shapes[n]) for n in names])
     if group > 1:
         k, v = (bb.emit(relax.op.repeat(x, group, axis=1)) for x in (k, v))
         state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s

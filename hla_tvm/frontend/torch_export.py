@@ -2,6 +2,9 @@
 onto our TensorIR kernels (`custom_convert_map` of TVM's exported-program frontend)."""
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 from .relax_hla import emit_operator
 
 OP_NAME = "hla.default"   # how TVM's frontend names torch.ops.hla_tvm.hla.default
@@ -23,4 +26,17 @@ def import_exported(ep):
 
     from .flat_matmul import unflatten_matmuls
 
-    return unflatten_matmuls(from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node}))
+    with quiet_pytree_deprecation():   # TVM's importer runs ep.run_decompositions()
+        mod = from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node})
+    return unflatten_matmuls(mod)
+
+
+@contextlib.contextmanager
+def quiet_pytree_deprecation():
+    """Silence only torch's FutureWarning about `isinstance(treespec, LeafSpec)`: torch 2.13's
+    own ExportedProgram.run_decompositions (and torch.onnx) deep-copy the call graph's LeafSpecs
+    and warn about torch's own code; nothing of ours touches LeafSpec."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*",
+                                category=FutureWarning)
+        yield

@@ -49,19 +49,33 @@ def transpose(dst, src, b, hh, c, rows, cols, name):
 
 
 @T.macro
-def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name):
-    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed)."""
+def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=False):
+    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed).
+
+    causal=True sums over r <= i only, by selection: for a product whose row i is an output
+    token and r a token of the same chunk, the later tokens r > i must not reach row i even
+    when a[i, r] is zero and bm[r] is inf or NaN (0 * inf is NaN)."""
     for i, j, r in T.grid(rows, cols, red):
         with T.sblock(name):
             vb, vh, vc, vi, vj, vr = T.axis.remap("SSSSSR", [b, hh, c, i, j, r])
             with T.init():
                 dst[vb, vh, vc, vi, vj] = const(0, dst.dtype)
-            if a_transposed:
-                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                    + a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj]
+            if causal:
+                if a_transposed:
+                    dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] + T.Select(
+                        vr <= vi, a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj],
+                        const(0, dst.dtype))
+                else:
+                    dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] + T.Select(
+                        vr <= vi, a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj],
+                        const(0, dst.dtype))
             else:
-                dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                    + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
+                if a_transposed:
+                    dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
+                        + a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj]
+                else:
+                    dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
+                        + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
 
 
 def gpow(lg, x, dtype):

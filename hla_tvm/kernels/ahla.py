@@ -219,8 +219,8 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                 with T.sblock("A"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
-            _matmul(AQ, A, Qc, b, hh, c, n, dk, n, False, "AQ")
-            _matmul(AA, A, A, b, hh, c, n, n, n, False, "AA")
+            _matmul(AQ, A, Qc, b, hh, c, n, dk, n, False, "AQ", True)
+            _matmul(AA, A, A, b, hh, c, n, n, n, False, "AA", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
@@ -228,7 +228,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                         vs <= vt, AA[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
             _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
             _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP")
-            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV")
+            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
             if normalize:
                 for t, i in T.grid(n, dk + n):
                     with T.sblock("den"):

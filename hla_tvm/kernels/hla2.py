@@ -362,6 +362,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         masked:   Z = Q (Sc + lI),          M = ((Z Q^T) + (W W^T)) * L,  num = Q Xc + M V
         unmasked: Z = Q (Sc + lI) + W K,    M = (Z Q^T) * L,             num = Z Xc + M V
     W = L * (Q K^T) chunk-local; o = num, or num / (Q rc + M 1 + eps) (Z rc when unmasked).
+    Products over the chunk's tokens select s <= t (never 0 * a later token, which is NaN for
+    an inf or NaN token), so row t depends on tokens <= t only.
     Shapes: q, k [B, H, T, dk], v [B, H, T, dv], Sc [B, H, NC, dk, dk], Xc [B, H, NC, dk, dv],
     rc [B, H, NC, dk], o [B, H, T, dv]."""
     io, acc = dtype, accum_dtype(dtype)
@@ -423,8 +425,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                         vb, vh, vc, vt, vi, vj = T.axis.remap("SSSSSR", [b, hh, c, t, i, j])
                         with T.init():
                             ZW[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi]
-                        ZW[vb, vh, vc, vt, vi] = ZW[vb, vh, vc, vt, vi] \
-                            + W[vb, vh, vc, vt, vj] * Kc[vb, vh, vc, vj, vi]
+                        ZW[vb, vh, vc, vt, vi] = ZW[vb, vh, vc, vt, vi] + T.Select(
+                            vj <= vt, W[vb, vh, vc, vt, vj] * Kc[vb, vh, vc, vj, vi], _c(0))
                 _matmul(ZQ, ZW, QT, b, hh, c, n, n, dk, False, "ZQ")
                 for t, s in T.grid(n, n):
                     with T.sblock("M"):
@@ -463,8 +465,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     vb, vh, vc, vt, vx, vs = T.axis.remap("SSSSSR", [b, hh, c, t, x, s])
                     with T.init():
                         num[vb, vh, vc, vt, vx] = numA[vb, vh, vc, vt, vx]
-                    num[vb, vh, vc, vt, vx] = num[vb, vh, vc, vt, vx] \
-                        + M[vb, vh, vc, vt, vs] * Vc[vb, vh, vc, vs, vx]
+                    num[vb, vh, vc, vt, vx] = num[vb, vh, vc, vt, vx] + T.Select(
+                        vs <= vt, M[vb, vh, vc, vt, vs] * Vc[vb, vh, vc, vs, vx], _c(0))
             if normalize:
                 for t, i in T.grid(n, dk):
                     with T.sblock("denA"):

@@ -326,8 +326,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
             _matmul(KC, Kc, Cc, b, hh, c, n, dv, dk, False, "KC")
             _matmul(QSQ, Z, QT, b, hh, c, n, n, dk, False, "QSQ")
             _matmul(QQ, Qc, QT, b, hh, c, n, n, dk, False, "QQ")
-            _matmul(WKQ, WG, KQ, b, hh, c, n, n, n, False, "WKQ")
-            _matmul(WB, W, Bs, b, hh, c, n, n, n, False, "WB")
+            _matmul(WKQ, WG, KQ, b, hh, c, n, n, n, False, "WKQ", True)
+            _matmul(WB, W, Bs, b, hh, c, n, n, n, False, "WB", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
@@ -339,8 +339,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                         - _c(mk) * T.Select(vs < vt, WB[vb, vh, vc, vt, vs]
                                             * gpow(T.log(g[vh]), vt - 1 - vs, acc), _c(0)),
                         _c(0))
-            _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC")
-            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV")
+            _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC", True)
+            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
             if normalize:
                 _matvec(Km, Kc, mc, b, hh, c, n, dk, False, "Km")
                 for t, j in T.grid(n, dk + n):
@@ -355,7 +355,9 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                                 * mc[vb, vh, vc, T.min(vj, dk - 1)]
                                 - _c(mk) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * hc[vb, vh, vc, T.min(vj, dk - 1)]
                                 + _c(ridge) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * mc[vb, vh, vc, T.min(vj, dk - 1)]),
-                            KW[vb, vh, vc, vt, T.max(vj - dk, 0)] * Km[vb, vh, vc, T.max(vj - dk, 0)]
+                            T.Select(vj - dk <= vt,
+                                     KW[vb, vh, vc, vt, T.max(vj - dk, 0)]
+                                     * Km[vb, vh, vc, T.max(vj - dk, 0)], _c(0))
                             + M[vb, vh, vc, vt, T.max(vj - dk, 0)])
             for t, x in T.grid(n, dv):
                 with T.sblock("o"):

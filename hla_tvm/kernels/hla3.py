@@ -300,7 +300,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                         vs <= vt, W0[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
             _transpose(WT, W, b, hh, c, n, n, "WT")
             _matmul(QP, Qc, Pc, b, hh, c, n, dv, dk, False, "QP")
-            _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV")
+            _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV", True)
             for t, x in T.grid(n, dv):
                 with T.sblock("Y"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
@@ -308,7 +308,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                         + WGV[vb, vh, vc, vt, vx]
             _matmul(QS, Qc, Sc, b, hh, c, n, dk, dk, False, "QS")
             _matmul(QSQ, QS, QT, b, hh, c, n, n, dk, False, "QSQ")
-            _matmul(WGW, WG, WT, b, hh, c, n, n, n, False, "WGW")
+            _matmul(WGW, WG, WT, b, hh, c, n, n, n, False, "WGW", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
@@ -316,7 +316,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                         vs <= vt, gpow(T.log(g[vh]), vt + 1, acc) * QSQ[vb, vh, vc, vt, vs]
                         + WGW[vb, vh, vc, vt, vs], _c(0))
             _matmul(QF, Qc, Fc, b, hh, c, n, dv, dk, False, "QF")
-            _matmul(MY, M, Y, b, hh, c, n, dv, n, False, "MY")
+            _matmul(MY, M, Y, b, hh, c, n, dv, n, False, "MY", True)
             if normalize:
                 for t, j in T.grid(n, dk + n):
                     with T.sblock("y"):
@@ -337,7 +337,9 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             vj < dk,
                             gpow(T.log(g[vh]), vt + 1, acc) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
                             * etac[vb, vh, vc, T.min(vj, dk - 1)],
-                            M[vb, vh, vc, vt, T.max(vj - dk, 0)] * y[vb, vh, vc, T.max(vj - dk, 0)])
+                            T.Select(vj - dk <= vt,
+                                     M[vb, vh, vc, vt, T.max(vj - dk, 0)]
+                                     * y[vb, vh, vc, T.max(vj - dk, 0)], _c(0)))
             for t, x in T.grid(n, dv):
                 with T.sblock("o"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])

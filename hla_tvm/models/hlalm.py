@@ -1,6 +1,13 @@
 """HLALM: a small language model whose attention layers are HLA."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import warnings
+import zipfile
+
 import torch
 from torch import nn
 
@@ -74,21 +81,109 @@ class HLALM(nn.Module):
         return logits, new_state
 
     def save(self, path):
-        """Config and weights in torch's weights-only format (nothing arbitrary is pickled)."""
-        torch.save({"format": CHECKPOINT_FORMAT, "config": self.config,
-                    "weights": self.state_dict()}, path)
+        """Config, weights and their digest (`weights_digest`) in torch's weights-only format
+        (nothing arbitrary is pickled)."""
+        weights = self.state_dict()
+        torch.save({"format": CHECKPOINT_FORMAT, "config": self.config, "weights": weights,
+                    "digest": weights_digest(self.config, weights)}, path)
 
     @classmethod
     def load(cls, path):
-        """A model saved with `save`; refuses files that are not such checkpoints."""
+        """A model saved with `save`. Refuses (ValueError naming the file and the key) files
+        that are not such checkpoints, configs with missing or wrong-typed keys, and weights
+        whose digest differs from the one recorded at save time."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"{path}: not an HLALM checkpoint (not a torch.save zip archive)")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:
-            raise ValueError(f"{path}: not a readable HLALM checkpoint ({err})") from None
+            raise ValueError(f"{path}: not a readable HLALM checkpoint ({_torch_load_reason(err)})"
+                             ) from None
         if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: not an HLALM checkpoint (format "
                              f"{blob.get('format') if isinstance(blob, dict) else None!r}, "
                              f"expected {CHECKPOINT_FORMAT!r})")
-        model = cls(**blob["config"])
-        model.load_state_dict(blob["weights"])
+        config = check_config(blob.get("config"), path)
+        weights = blob.get("weights")
+        if not isinstance(weights, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+            raise ValueError(f"{path}: checkpoint key 'weights' must map names to tensors")
+        digest = blob.get("digest")
+        if digest is None:
+            warnings.warn(f"{path}: checkpoint has no weights digest (written by an older "
+                          "hla_tvm); it cannot be verified. Save it again to add one.")
+        elif digest != weights_digest(config, weights):
+            raise ValueError(f"{path}: checkpoint is corrupt: its weights do not match the digest "
+                             "recorded when it was saved")
+        try:
+            model = cls(**config)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: the config does not describe an HLALM: {err}") from None
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as err:
+            raise ValueError(f"{path}: the weights do not fit the config ("
+                             f"{str(err).splitlines()[0]})") from None
         return model
+
+
+# key: (accepted types, required)
+CONFIG_KEYS = {
+    "vocab_size": ((int,), True), "d_model": ((int,), True), "n_layers": ((int,), True),
+    "n_heads": ((int,), True), "order": ((int,), False), "asymmetric": ((bool,), False),
+    "head_dim": ((int, type(None)), False), "n_kv_heads": ((int, type(None)), False),
+    "decay": ((float, int, list, type(None)), False), "normalize": ((bool,), False),
+    "masked": ((bool,), False), "mlp_hidden": ((int, type(None)), False),
+    "tie_embeddings": ((bool,), False), "chunk_size": ((int,), False),
+}
+
+
+def check_config(config, source="config"):
+    """`config` (an HLALM config dict) checked key by key; ValueError naming the key."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{source}: checkpoint key 'config' must be a dict, got "
+                         f"{type(config).__name__}")
+    for key in config:
+        if key not in CONFIG_KEYS:
+            raise ValueError(f"{source}: unknown config key {key!r} (known: "
+                             f"{', '.join(CONFIG_KEYS)})")
+    for key, (types, required) in CONFIG_KEYS.items():
+        if key not in config:
+            if required:
+                raise ValueError(f"{source}: config key {key!r} is missing")
+            continue
+        value = config[key]
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if ok and isinstance(value, list):
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+        if not ok or (isinstance(value, int) and not isinstance(value, bool)
+                      and key not in ("decay",) and value < 1):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{source}: config key {key!r} must be {names}"
+                             f"{' (positive)' if int in types else ''}, got {value!r}")
+    return config
+
+
+def weights_digest(config, weights):
+    """sha256 (hex) of the config (JSON) and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous()
+        h.update(f"{name}:{str(t.dtype)}:{list(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _torch_load_reason(err):
+    """The part of torch.load's error that describes the file (not its advice to unpickle
+    arbitrary code with weights_only=False)."""
+    msg = str(err)
+    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", msg)
+    if found:
+        reason = found.group(1).split(". Please")[0].strip()
+        return f"it holds something other than tensors and plain data: {reason}"
+    first = msg.strip().splitlines()[0] if msg.strip() else type(err).__name__
+    return first if "weights_only" not in first else type(err).__name__

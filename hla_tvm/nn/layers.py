@@ -90,12 +90,11 @@ class HLAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2) / math.sqrt(hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2) / math.sqrt(hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, hd).transpose(1, 2)
-        if state is None:
-            state = self.init_state(B, torch.float64 if x.dtype == torch.float64 else
-                                    torch.float32, x.device)
         decay = None if self.decay is None else self.decay.to(q.dtype)
+        # no state: a fresh sequence (the op starts from zeros and returns the new state)
         o, *st = hla_op(q.contiguous(), k.contiguous(), v.contiguous(),
-                       [state[n] for n in self.state_names], decay, self.order,
+                       [] if state is None else [state[n] for n in self.state_names],
+                       decay, self.order,
                        self.asymmetric, self.masked, self.normalize, self.eps, self.ridge,
                        self.chunk_size)
         if self.out_norm is not None:

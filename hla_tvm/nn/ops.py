@@ -5,8 +5,9 @@
 
 (one flat list of tensors, so exporters map it onto one node with 1 + len(state) outputs)
 
-state lists the operator's summaries in `state_names(order, asymmetric)` order (zeros for a
-fresh sequence); it runs the PyTorch reference (`hla_tvm.hla(..., backend="torch")`) and is
+state lists the operator's summaries in `state_names(order, asymmetric)` order, or is empty for
+a fresh sequence (the new state is returned either way: float64 for float64 inputs, else
+float32); it runs the PyTorch reference (`hla_tvm.hla(..., backend="torch")`) and is
 differentiable in q, k, v and the state. The compile path maps this node onto the TensorIR
 kernels."""
 from __future__ import annotations
@@ -22,14 +23,19 @@ def state_names(order=2, asymmetric=False):
     return tuple(operators.get(order, asymmetric).state_names)
 
 
+def _state_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
     names = state_names(order, asymmetric)
     extra = dict(masked=masked, ridge=ridge) if operators.get(order, asymmetric).has_mask_ridge \
         else {}
     out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps,
-                   decay=decay, state=dict(zip(names, state)), return_state=True,
-                   backend="torch", chunk_size=chunk_size, **extra)
-    return out, [st[n].to(state[i].dtype) for i, n in enumerate(names)]
+                   decay=decay, state=dict(zip(names, state)) if state else None,
+                   return_state=True, backend="torch", chunk_size=chunk_size, **extra)
+    dtypes = [x.dtype for x in state] if state else [_state_dtype(q)] * len(names)
+    return out, [st[n].to(dt) for n, dt in zip(names, dtypes)]
 
 
 @torch.library.custom_op("hla_tvm::hla", mutates_args=())
@@ -45,7 +51,12 @@ def hla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: list[torch.
 @hla_op.register_fake
 def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return [out] + [torch.empty_like(x) for x in state]
+    if state:
+        return [out] + [torch.empty_like(x) for x in state]
+    shapes = operators.get(order, asymmetric).state_shapes(
+        q.shape[0], q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+    return [out] + [q.new_empty(shapes[n], dtype=_state_dtype(q))
+                    for n in state_names(order, asymmetric)]
 
 
 def _setup_context(ctx, inputs, output):

@@ -6,11 +6,15 @@ For an HLALM-like model (forward(tokens, state), init_state(batch)) the graph is
     prefill: tokens [B, T] int64, *state -> logits [B, T, vocab], *state     (decode=False)
     decode:  tokens [B] int64,    *state -> logits [B, vocab], *state        (decode=True)
 with dynamic B and T; state entries are named like `hla_tvm.compile`'s (layer0.S, ...) and the
-outputs `<name>.out`. The model's config and state layout go into metadata_props."""
+outputs `<name>.out`. By default the prefill graph starts a fresh sequence from the tokens alone
+(its HLA nodes take no state inputs; the new state is still returned); from_state=True adds the
+state inputs. The model's config, state layout and a sha256 of the model's content (everything
+but metadata_props, `content_digest`) go into metadata_props; readers verify it."""
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import warnings
@@ -21,8 +25,16 @@ import torch
 from . import function, schema
 
 FORMAT = "hla_tvm.onnx/1"
-META_FORMAT, META_ENTRY, META_STATE, META_CONFIG = (
-    "hla_tvm.format", "hla_tvm.entry", "hla_tvm.state", "hla_tvm.config")
+META_FORMAT, META_ENTRY, META_STATE, META_CONFIG, META_DIGEST = (
+    "hla_tvm.format", "hla_tvm.entry", "hla_tvm.state", "hla_tvm.config", "hla_tvm.sha256")
+
+
+def content_digest(proto):
+    """sha256 (hex) of `proto` serialized without its metadata_props (which carry the digest)."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(proto)
+    del bare.metadata_props[:]
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge,
@@ -30,11 +42,14 @@ def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps,
     """torch.ops.hla_tvm.hla -> one hla_tvm::HLA node (chunk_size is a PyTorch-side detail)."""
     import onnxscript
 
+    from ..nn.ops import state_names
+
     hla = onnxscript.values.Opset(function.DOMAIN, schema.VERSION)
     outs = hla.HLA(q, k, v, decay, *state, order=int(order), asymmetric=int(asymmetric),
                    masked=int(masked), normalize=int(normalize), eps=float(eps),
                    ridge=float(ridge))
-    return list(outs[:1 + len(state)])
+    # no state inputs (a fresh sequence): the node still returns the new state
+    return list(outs[:1 + len(state_names(int(order), bool(asymmetric)))])
 
 
 def translation_table():
@@ -74,26 +89,30 @@ def _trim_unused_outputs(proto):
 def _quiet():
     """torch.onnx's notes that do not concern the user (torchvision absent, Dim names merged,
     a pytree deprecation inside torch)."""
+    from ..frontend.torch_export import quiet_pytree_deprecation
+
     logger = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_pytree_deprecation():
             warnings.filterwarnings("ignore", message=".*axis name.*will not be used")
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             yield
     finally:
         logger.setLevel(level)
 
 
-def export(model, path, example_tokens=None, *, decode=False):
+def export(model, path, example_tokens=None, *, decode=False, from_state=False):
     """Write `model` (an HLALM-like `hla_tvm` model) to `path` as ONNX; returns the ModelProto.
 
-    example_tokens: int tensor [B, T] used to trace (any values; default zeros [2, 8]);
-    decode=True exports the one-token step. Batch and length stay dynamic."""
+    The prefill graph takes tokens [B, T] alone and starts a fresh sequence; with
+    from_state=True it also takes the state to continue from. decode=True exports the
+    one-token step (tokens [B] and state in). Both return logits and the new state.
+    example_tokens: int tensor [B, T] used to trace (any values; default zeros [2, 8]).
+    Batch and length stay dynamic."""
     from torch.export import Dim
 
-    from ..compile import _Decode, _Prefill, _flatten, flat_state_spec
+    from ..compiler import _Decode, _Fresh, _Prefill, _flatten, flat_state_spec
 
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
@@ -103,17 +122,19 @@ def export(model, path, example_tokens=None, *, decode=False):
     layout = [tuple(layer) for layer in model.init_state(1)]
     tokens = _example_tokens(example_tokens, decode)
     B = tokens.shape[0]
-    state = _flatten(model.init_state(B))
+    with_state = decode or from_state
+    state = _flatten(model.init_state(B)) if with_state else []
     spec = flat_state_spec(model)
     batch = Dim("batch", min=1)
     tok_dims = {0: batch} if decode else {0: batch, 1: Dim("seq", min=2)}
-    wrapper = (_Decode if decode else _Prefill)(model, layout).eval()
+    wrapper = (_Decode if decode else _Prefill if from_state else _Fresh)(model, layout).eval()
     with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             wrapper, (tokens, *state), dynamo=True, opset_version=function.OPSET,
             custom_translation_table=translation_table(),
-            dynamic_shapes=(tok_dims, tuple({0: batch} for _ in state)),
-            input_names=["tokens"] + [n for n, _, _ in spec],
+            dynamic_shapes=(tok_dims, tuple({0: batch} for _ in state)) if with_state
+            else (tok_dims,),
+            input_names=["tokens"] + ([n for n, _, _ in spec] if with_state else []),
             output_names=["logits"] + [f"{n}.out" for n, _, _ in spec],
             report=False, verbose=False)
     proto = program.model_proto
@@ -124,5 +145,6 @@ def export(model, path, example_tokens=None, *, decode=False):
     for key, value in meta.items():
         proto.metadata_props.add(key=key, value=value)
     function.check(proto)
+    proto.metadata_props.add(key=META_DIGEST, value=content_digest(proto))
     onnx.save(proto, str(path))
     return proto

@@ -21,22 +21,33 @@ import numpy as np
 import onnx
 
 from . import function
-from .exporter import META_CONFIG, META_ENTRY, META_STATE
+from .exporter import META_CONFIG, META_DIGEST, META_ENTRY, META_STATE, content_digest
 
 _PRIVATE_OP = "hla_tvm::HLA"   # the op_type HLA nodes carry inside the importer
 
 
 def load_model(model):
-    """A ModelProto from a path or a ModelProto; ValueError for files that are not ONNX."""
+    """A ModelProto from a path or a ModelProto; ValueError for files that are not ONNX, and
+    for files whose content no longer matches the digest `hla_tvm.onnx.export` recorded
+    (corrupt, or edited after export)."""
     if isinstance(model, onnx.ModelProto):
-        return model
+        return model   # what the caller holds; files are what is checked
     path = os.fspath(model)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no ONNX model at {path}")
     try:
-        return onnx.load(path)
+        proto = onnx.load(path)
     except Exception as err:
-        raise ValueError(f"{path}: not a readable ONNX model ({err})") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: not a readable ONNX model ({reason})") from None
+    if not proto.graph.node and not proto.graph.input:
+        raise ValueError(f"{path}: not an ONNX model (no graph)")
+    recorded = next((p.value for p in proto.metadata_props if p.key == META_DIGEST), None)
+    if recorded is not None and recorded != content_digest(proto):
+        raise ValueError(f"{path}: the ONNX model is corrupt or was edited after export (its "
+                         f"content does not match the {META_DIGEST} digest recorded by "
+                         "hla_tvm.onnx.export); export it again")
+    return proto
 
 
 def _mark_hla_nodes(model):
@@ -91,28 +102,12 @@ def _static(dim, node, what):
     return int(dim)
 
 
-def _zero_state(bb, q, shapes):
-    """Distinct zero tensors of `shapes` [B, H, ...] computed from q's shape at run time (never
-    folded into module constants, which the in-place kernels would otherwise mutate)."""
-    from tvm import relax
-
-    from ..kernels._tir import zero_state
-
-    tails = [tuple(int(d) for d in sh[2:]) for sh in shapes]
-    name = "hla_zero_state_" + "_".join("x".join(map(str, t)) for t in tails)
-    gv = next((g for g in bb.get().get_global_vars() if g.name_hint == name), None)
-    if gv is None:
-        gv = bb.add_func(zero_state(tails).with_attr("global_symbol", name), name)
-    res = bb.emit(relax.call_tir(gv, [q], [relax.TensorType(sh, "float32") for sh in shapes]))
-    return [bb.emit(relax.TupleGetItem(res, i)) for i in range(len(shapes))]
-
-
 def _convert_hla(bb, inputs, attrs):
     """Relax for one HLA node: a tuple (o, *state) with as many fields as the node's outputs."""
     import tvm
     from tvm import relax
 
-    from ..frontend.relax_hla import emit_operator
+    from ..frontend.relax_hla import emit_operator, zero_state
     from ..operators import get
 
     node = attrs["tvm_custom"]["name"]
@@ -149,9 +144,7 @@ def _convert_hla(bb, inputs, attrs):
         decay = relax.const(np.full(H, get_attr("decay"), dtype="float32"))
     shapes = op.state_shapes(B, H, Hkv, dk, dv)
     state = list(inputs[4:4 + len(op.state_names)])
-    if not state:
-        state = _zero_state(bb, q, [list(shapes[n]) for n in op.state_names])
-    else:
+    if state:
         for n, x in zip(op.state_names, state):
             got = _shape(x, node, f"state {n}")
             if len(got) != len(shapes[n]) or any(
@@ -162,7 +155,7 @@ def _convert_hla(bb, inputs, attrs):
         # the kernels advance state in place
         const = [i for i, x in enumerate(state) if isinstance(x, tvm.ir.expr.Constant)]
         if const:
-            zeros = _zero_state(bb, q, [list(state[i].ty.shape) for i in const])
+            zeros = zero_state(bb, q, [list(state[i].ty.shape) for i in const])
             for i, z in zip(const, zeros):
                 state[i] = bb.emit(relax.op.add(z, state[i]))
     out, new_state = emit_operator(
@@ -181,14 +174,19 @@ def to_relax(model, *, shape_dict=None):
         return _importer_class()(shape_dict, "float32").from_onnx(model.graph, opset)
 
 
+def _graph_inputs(model):
+    """The graph inputs that are not initializers."""
+    inits = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in inits]
+
+
 def lm_signature(model):
     """The language-model interface of an ONNX graph, as `hla_tvm.onnx.export` writes it:
     inputs tokens (int64 [B, T] for prefill or [B] for decode) then the state entries
     (float32 [B, ...] with static trailing dims); outputs logits then the new state, one per
     state input. Returns dict(entry, state=[(name, shape, dtype)], vocab_size, config)."""
     g = model.graph
-    inits = {t.name for t in g.initializer}
-    inputs = [i for i in g.input if i.name not in inits]
+    inputs = _graph_inputs(model)
 
     def dims(vi):
         return [d.dim_value if d.HasField("dim_value") else None
@@ -225,6 +223,42 @@ def lm_signature(model):
     return dict(entry=entry, state=state, vocab_size=vocab, config=config)
 
 
+def with_state_inputs(model):
+    """A fresh-start prefill graph (tokens alone) as the prefill-from-state graph: each HLA node
+    without state inputs takes them from new graph inputs, named after the graph outputs its new
+    state feeds (`<name>.out` -> `<name>`), ordered as the metadata's state layout."""
+    from ..operators import get
+
+    model = copy.deepcopy(model)
+    g = model.graph
+    outputs = {o.name: o for o in g.output}
+    added = []
+    for n in function.hla_nodes(g):
+        var = function.node_variant(n)
+        if var["state_input"]:
+            continue
+        want = len(get(var["order"], var["asymmetric"]).state_names)
+        names = [o[:-len(".out")] for o in n.output[1:] if o in outputs and o.endswith(".out")]
+        if len(names) != want or len(n.output) != 1 + want:
+            raise ValueError(f"{function.describe(n)}: a fresh-start HLA node must return its "
+                             f"{want} state entries as graph outputs named <state>.out")
+        while len(n.input) < 4:
+            n.input.append("")
+        n.input.extend(names)
+        n.overload = ""
+        n.overload = function.node_variant(n)["overload"]
+        for name, out in zip(names, n.output[1:]):
+            vi = copy.deepcopy(outputs[out])
+            vi.name = name
+            added.append(vi)
+    props = {p.key: p.value for p in model.metadata_props}
+    if META_STATE in props:
+        order = [name for name, _, _ in json.loads(props[META_STATE])]
+        added.sort(key=lambda vi: order.index(vi.name) if vi.name in order else len(order))
+    g.input.extend(added)
+    return model
+
+
 def _decode_from_prefill(model):
     """The prefill graph turned into the one-token step: tokens [B] -> Unsqueeze -> the graph ->
     logits [B, 1, V] -> Squeeze -> logits [B, V]."""
@@ -252,9 +286,11 @@ def compile(path, *, target="llvm", out="model.so"):  # noqa: A001
     for `target` and write the library to `out`; `hla_tvm.runtime.load` opens it. A prefill
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). Returns `out`."""
-    from ..compile import MODULE_FORMAT, build, merge_entries, resolve_cpu_target
+    from ..compiler import MODULE_FORMAT, build, merge_entries, resolve_cpu_target
 
     model = load_model(path)
+    if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
+        model = with_state_inputs(model)
     sig = lm_signature(model)
     tgt = resolve_cpu_target(target)
     if sig["entry"] == "prefill":

@@ -58,7 +58,7 @@ def fold(step, zero_state, q, k, v, state=None, mask=None, **opts):
             keep = mask[:, t]
             new = {n: torch.where(keep.view(B, *[1] * (x.dim() - 1)), new[n], st[n])
                    for n, x in st.items()}
-            o = o * keep.view(B, 1, 1).to(o.dtype)
+            o = torch.where(keep.view(B, 1, 1), o, torch.zeros((), dtype=o.dtype))
         st = new
         outs.append(o)
     return torch.stack(outs, 2), st

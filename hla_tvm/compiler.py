@@ -4,7 +4,8 @@ The module has two entry points with explicit state (every layer's HLA summaries
 layer order and `state_names` order):
     prefill(tokens [B, T] int64, *state) -> (logits [B, T, vocab], *state)     T symbolic
     decode(tokens [B] int64, *state)     -> (logits [B, vocab], *state)
-and metadata (`hla_tvm_meta`: a JSON string with the state layout) for `hla_tvm.runtime`."""
+and metadata (`hla_tvm_meta`: a JSON string with the state layout, max_batch and the weights'
+digest) for `hla_tvm.runtime`. The library file is sealed (`hla_tvm.libfile`)."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,8 @@ import json
 
 import torch
 from torch import nn
+
+from .runtime import META_FUNC, MODULE_FORMAT
 
 
 def flat_state_spec(model):
@@ -30,6 +33,14 @@ class _Prefill(nn.Module):
 
     def forward(self, tokens, *flat):
         logits, st = self.model(tokens, _unflatten(flat, self.layout))
+        return (logits, *_flatten(st))
+
+
+class _Fresh(_Prefill):
+    """forward(tokens) from a fresh sequence (no state in; the new state out)."""
+
+    def forward(self, tokens):
+        logits, st = self.model(tokens, None)
         return (logits, *_flatten(st))
 
 
@@ -118,8 +129,6 @@ def cpu_pipeline(target):
     return _pipeline
 
 
-META_FUNC = "hla_tvm_meta"
-MODULE_FORMAT = "hla_tvm.module/1"
 
 
 def _with_meta(mod, meta):
@@ -141,25 +150,33 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
 
     schedules: "auto" uses tuned records from `schedules/` for the target where they exist and
     the default schedules otherwise (no tuned records ship yet, so both mean the defaults);
-    "default" always uses the default schedules."""
+    "default" always uses the default schedules.
+    max_batch: an upper bound of the batch size (TVM then plans memory statically); the
+    runtime refuses larger batches."""
     if schedules not in ("auto", "default"):
         raise ValueError(f"schedules must be 'auto' or 'default', got {schedules!r}")
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
             raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
                             f"state) and init_state(batch); {type(model).__name__} has no {attr}")
-    if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
+                                  or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
     tgt = resolve_cpu_target(target)
-    mod = to_relax(model, max_batch=max_batch)
+    from .models.hlalm import weights_digest
+
+    config = getattr(model, "config", None)
     meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
-            "vocab_size": int(model.config["vocab_size"]) if hasattr(model, "config") else None,
-            "config": getattr(model, "config", None)}
+            "vocab_size": int(config["vocab_size"]) if config else None,
+            "config": config, "max_batch": max_batch,
+            "weights_sha256": weights_digest(config, model.state_dict())}
+    mod = to_relax(model, max_batch=max_batch)
     return build(mod, meta, tgt, out)
 
 
 def resolve_cpu_target(target):
-    """The tvm.target.Target for `target`; NotImplementedError for non-CPU kinds (for now)."""
+    """The tvm.target.Target for `target` (checked: ValueError/TypeError for a bad one);
+    NotImplementedError for non-CPU kinds (for now)."""
     from .target import resolve
 
     tgt = resolve(target)
@@ -171,11 +188,28 @@ def resolve_cpu_target(target):
 
 def build(mod, meta, target, out):
     """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
-    `target` and write the library to `out`. Returns `out`."""
+    `target` and write the sealed library to `out` (atomically). Returns `out`."""
+    import os
+    import tempfile
+
     import tvm
 
-    mod = _with_meta(mod, meta)
+    from . import libfile
+    from .frontend.safe_take import safe_take
+
+    mod = _with_meta(safe_take(mod), meta)
     with target:
         exe = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
-    exe.export_library(str(out))
-    return str(out)
+    out = os.fspath(out)
+    folder = os.path.dirname(os.path.abspath(out))
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        exe.export_library(tmp)
+        libfile.seal(tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out

@@ -1,0 +1,160 @@
+"""Sealed shared libraries: the one place that knows how a compiled module file is checked.
+
+Every library this package writes (a compiled model, a cached kernel module) ends with a
+trailer of 80 bytes after the ELF image:
+
+    b"HLATVMSL"  tag (32 bytes)  sha256 of every byte before the trailer (32 bytes)  b"HLATVMEN"
+
+`tag` is what the file must be: the sha256 of a cache entry's spec, or zeros for a model.
+The dynamic loader ignores bytes past the ELF image, so a sealed file loads as any other.
+`check` runs before the loader sees a file: a truncated library would otherwise be mapped past
+its end and kill the process with SIGBUS on first use, and flipped bytes would load and compute
+wrong answers. It needs only the standard library (the runtime-only path uses it)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import tempfile
+import threading
+
+HEAD, TAIL = b"HLATVMSL", b"HLATVMEN"
+TRAILER = len(HEAD) + 32 + 32 + len(TAIL)
+NO_TAG = bytes(32)
+_ELF_MAGIC = b"\x7fELF"
+
+
+def tag_of(text: str) -> bytes:
+    """The 32-byte tag for `text` (sha256)."""
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _digest(path, size):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.digest()
+
+
+def seal(path, tag: bytes = NO_TAG):
+    """Append the trailer (tag and checksum) to the library at `path`, in place."""
+    if len(tag) != 32:
+        raise ValueError("tag must be 32 bytes")
+    size = os.path.getsize(path)
+    digest = _digest(path, size)
+    with open(path, "ab") as f:
+        f.write(HEAD + tag + digest + TAIL)
+
+
+def check(path, tag: bytes | None = None, what="compiled module"):
+    """Raise ValueError naming `path` unless it is a whole, unmodified sealed ELF library
+    (with `tag`, when given). Returns the sha256 of its image (bytes)."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+            f.seek(max(0, size - TRAILER))
+            trailer = f.read(TRAILER)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+    if len(head) < 4 or head[:4] != _ELF_MAGIC:
+        raise ValueError(f"{path}: not a {what} (no ELF shared-library header)")
+    if size < 64 + TRAILER or trailer[:len(HEAD)] != HEAD or trailer[-len(TAIL):] != TAIL:
+        _check_elf(path, head, size, what)
+        raise ValueError(f"{path}: the {what} has no hla_tvm checksum trailer (truncated, or not "
+                         f"written by this version of hla_tvm; {size} bytes); compile it again")
+    image = size - TRAILER
+    _check_elf(path, head, image, what)
+    got_tag = trailer[len(HEAD):len(HEAD) + 32]
+    want_sum = trailer[len(HEAD) + 32:len(HEAD) + 64]
+    if _digest(path, image) != want_sum:
+        raise ValueError(f"{path}: the {what} is corrupt (its sha256 does not match the checksum "
+                         "recorded when it was written); compile it again")
+    if tag is not None and got_tag != tag:
+        raise ValueError(f"{path}: the {what} was built for other options than its name says "
+                         "(spec digest mismatch)")
+    return want_sum
+
+
+_LOADED: dict = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def load(path, tag: bytes | None = None, what="compiled module"):
+    """`tvm.runtime.load_module` of the checked library at `path` (see `check`).
+
+    The dynamic loader hands back the library already loaded under a path, even after the file
+    was replaced: a module compiled again to the same path would silently run the old code. A
+    path whose content changed since this process loaded it is loaded under another name (a
+    hard link beside it, else a copy; TVM resolves symbolic links), removed once mapped."""
+    import tvm
+
+    digest = check(path, tag, what)
+    real = os.path.realpath(path)
+    with _LOADED_LOCK:
+        seen = _LOADED.get(real)
+        alias = None
+        if seen is not None and seen != digest:
+            alias = _alias(real, digest)
+        try:
+            lib = tvm.runtime.load_module(alias or real)
+        except Exception as err:
+            raise ValueError(f"{path}: not a loadable TVM module ({err})") from None
+        finally:
+            if alias:   # the mapping outlives the name
+                os.remove(alias)
+                if os.path.dirname(alias) != os.path.dirname(real):
+                    os.rmdir(os.path.dirname(alias))
+        _LOADED[real] = digest
+    return lib
+
+
+def _alias(real, digest):
+    """A new name for the file `real`: a hard link in its folder, else a copy in a temp folder."""
+    name = f".{os.path.basename(real)}.{digest.hex()[:16]}.{os.getpid()}.so"
+    alias = os.path.join(os.path.dirname(real), name)
+    try:
+        if os.path.lexists(alias):
+            os.remove(alias)
+        os.link(real, alias)
+        return alias
+    except OSError:
+        alias = os.path.join(tempfile.mkdtemp(prefix="hla_tvm_lib_"), name)
+        shutil.copyfile(real, alias)
+        return alias
+
+
+def _check_elf(path, head, image, what):
+    """The ELF header, program headers and section table must lie within the image."""
+    if len(head) < 64 or head[4] not in (1, 2) or head[5] not in (1, 2):
+        raise ValueError(f"{path}: not a {what} (malformed ELF header)")
+    end = "<" if head[5] == 1 else ">"
+    if head[4] == 2:   # 64-bit
+        phoff, shoff = struct.unpack_from(end + "QQ", head, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 54)
+        ph_fmt, ph_off, ph_fsz = end + "IIQQQQQQ", 2, 5
+    else:
+        phoff, shoff = struct.unpack_from(end + "II", head, 28)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", head, 42)
+        ph_fmt, ph_off, ph_fsz = end + "IIIIIIII", 1, 4
+    if phoff + phentsize * phnum > image or shoff + shentsize * shnum > image:
+        raise ValueError(f"{path}: the {what} is truncated (its ELF tables end past the "
+                         f"{image}-byte image)")
+    if phentsize < struct.calcsize(ph_fmt):
+        raise ValueError(f"{path}: not a {what} (malformed ELF program headers)")
+    with open(path, "rb") as f:
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        fields = struct.unpack_from(ph_fmt, table, i * phentsize)
+        if fields[ph_off] + fields[ph_fsz] > image:
+            raise ValueError(f"{path}: the {what} is truncated (segment {i} ends past the "
+                             f"{image}-byte image)")
