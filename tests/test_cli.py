@@ -28,3 +28,77 @@ def test_bench_prints_ratios(capsys):
 def test_cache_lists_folder(capsys):
     assert main(["cache"]) == 0
     assert "hla_tvm_cache" in capsys.readouterr().out
+
+
+def _fails_in_one_line(capsys, argv, *needles):
+    """An expected error: exit code 2, one line on stderr naming the problem, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_expected_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    (tmp_path / "junk.pt").write_bytes(b"junk" * 100)
+    (tmp_path / "junk.so").write_bytes(b"\x7fELF" + b"\0" * 200)
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "missing.so"), "--prompt-ids", "1"],
+                       "hla-tvm run: error:", "missing.so")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1"],
+                       "junk.so")
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt")], "junk.pt",
+                       "not an HLALM checkpoint")
+    _fails_in_one_line(capsys, ["export-onnx", str(tmp_path / "missing.pt")], "missing.pt")
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt"), "--target", "nope"],
+                       "target='nope'")
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt"), "--target",
+                                '{"kind": "llvm", "mcpu": "notacpu"}'], "notacpu")
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt"), "--target", "{oops"],
+                       "not valid JSON")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1,x"],
+                       "--prompt-ids")
+
+
+def test_the_target_is_checked_before_any_model_work(tmp_path, capsys):
+    """A bad target is reported even though the checkpoint does not exist: it came first."""
+    err = _fails_in_one_line(capsys, ["compile", str(tmp_path / "nothing.pt"), "--target",
+                                      "cuda -arch=sm_90"], "target=")
+    assert "nothing.pt" not in err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        main(["run", str(tmp_path / "missing.so"), "--prompt-ids", "1", "--debug"])
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "x"])
+def test_run_refuses_non_positive_steps(tmp_path, capsys, steps):
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(tmp_path / "m.so"), "--prompt-ids", "1", "--steps", steps])
+    assert e.value.code == 2
+    assert "--steps: must be a positive integer" in capsys.readouterr().err
+
+
+def test_cache_after_clear_says_empty(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "x.so").write_bytes(b"x")
+    assert main(["cache", "--clear"]) == 0
+    assert "removed 1" in capsys.readouterr().out
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert "empty" in out and "x.so" not in out
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "compile", "export-onnx", "run", "cache"])
+def test_every_command_explains_its_flags(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--debug" in out
+    if command == "bench":
+        for flag in ("--batch", "--heads", "--length", "--head-dim", "--chunk-size", "--repeat"):
+            assert flag in out
+        assert "(default: 8192)" in out and "(default: 5)" in out

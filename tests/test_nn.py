@@ -82,7 +82,7 @@ def test_save_load_roundtrip(tmp_path):
     toks = torch.randint(0, 30, (1, 7))
     assert torch.equal(m(toks)[0], m2(toks)[0])
     (tmp_path / "bad.pt").write_bytes(b"junk")
-    with pytest.raises(ValueError, match="not a readable HLALM checkpoint"):
+    with pytest.raises(ValueError, match="not an HLALM checkpoint"):
         HLALM.load(tmp_path / "bad.pt")
     torch.save({"format": "other"}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not an HLALM checkpoint"):

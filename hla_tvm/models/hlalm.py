@@ -116,8 +116,8 @@ class HLALM(nn.Module):
             warnings.warn(f"{path}: checkpoint has no weights digest (written by an older "
                           "hla_tvm); it cannot be verified. Save it again to add one.")
         elif digest != weights_digest(config, weights):
-            raise ValueError(f"{path}: checkpoint is corrupt: its weights do not match the digest "
-                             "recorded when it was saved")
+            raise ValueError(f"{path}: checkpoint is corrupt: its config and weights do not match "
+                             "the digest recorded when it was saved")
         try:
             model = cls(**config)
         except (ValueError, TypeError) as err:

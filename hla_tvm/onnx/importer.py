@@ -288,15 +288,17 @@ def compile(path, *, target="llvm", out="model.so"):  # noqa: A001
     decode only (the runtime then runs a prompt token by token). Returns `out`."""
     from ..compiler import MODULE_FORMAT, build, merge_entries, resolve_cpu_target
 
+    tgt = resolve_cpu_target(target)   # a bad target fails before any model work
     model = load_model(path)
+    digest = content_digest(model)
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
         model = with_state_inputs(model)
     sig = lm_signature(model)
-    tgt = resolve_cpu_target(target)
     if sig["entry"] == "prefill":
         mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
     else:
         mods = {"decode": to_relax(model)}
     meta = {"format": MODULE_FORMAT, "state": sig["state"], "vocab_size": sig["vocab_size"],
-            "config": sig["config"], "entries": sorted(mods), "source": "onnx"}
+            "config": sig["config"], "entries": sorted(mods), "source": "onnx",
+            "max_batch": None, "onnx_sha256": digest}
     return build(merge_entries(mods), meta, tgt, out)

@@ -1,0 +1,227 @@
+"""Every file the package reads, truncated or with flipped bytes: a clear ValueError naming the
+file (or, where the damage hit bytes that carry no data, exactly the original content), never a
+crash and never a silently different model. Kernel-cache entries are rebuilt instead."""
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_qkv, rel_err
+from hla_tvm import build, hla
+from hla_tvm import onnx as hla_onnx
+from hla_tvm.compiler import compile as compile_model
+from hla_tvm.models import HLALM
+from hla_tvm.models.hlalm import weights_digest
+from hla_tvm.reference import hla2
+from hla_tvm.runtime import load
+
+VOCAB = 40
+SEEDS = range(6)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A checkpoint, its compiled module, its ONNX export and a saved state."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("good")
+    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16).eval()
+    model.save(folder / "model.pt")
+    compile_model(model, out=folder / "model.so")
+    hla_onnx.export(model, folder / "model.onnx")
+    m = load(folder / "model.so")
+    _, state = m.prefill(np.arange(9).reshape(1, 9), m.init_state(1))
+    m.save_state(state, folder / "state.npz")
+    return model, folder
+
+
+def _damaged(src, dst, how, seed, *, count=16, start=0):
+    data = bytearray(src.read_bytes())
+    if how == "truncate":
+        cut = [4096, len(data) // 2, len(data) - 1][seed % 3]
+        data = data[:cut]
+    else:
+        rng = random.Random(seed)
+        for _ in range(count):
+            data[rng.randrange(start, len(data))] ^= 1 << rng.randrange(8)
+    # a new file (inode) replaces dst: rewriting a library in place under a process that has
+    # it mapped kills that process, whatever the library (what `cp` over a loaded .so does)
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, dst)
+    return dst
+
+
+def _refused_or_same(src, tmp_path, read, same):
+    """read() every truncated and flipped copy of src: a ValueError naming the copy, or content
+    for which same(content) holds (the damage hit bytes that carry nothing, such as padding)."""
+    for how in ("truncate", "flip"):
+        for s in SEEDS:
+            path = _damaged(src, tmp_path / f"{how}{s}{src.suffix}", how, s)
+            try:
+                got = read(path)
+            except ValueError as err:
+                assert str(path) in str(err)
+                assert "weights_only" not in str(err)
+                continue
+            assert same(got), path
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_compiled_module_is_refused_without_a_crash(files, tmp_path, how):
+    """Run in a child process: a truncated library mapped by the loader used to die of SIGBUS."""
+    _, folder = files
+    paths = [_damaged(folder / "model.so", tmp_path / f"m{s}.so", how, s, count=64)
+             for s in SEEDS]
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from hla_tvm.runtime import load
+        for p in {[str(p) for p in paths]!r}:
+            try:
+                m = load(p)
+            except ValueError as err:
+                assert p in str(err), err
+                print("refused", err)
+                continue
+            raise SystemExit(f"{{p}} loaded")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("refused") == len(paths)
+
+
+def test_damaged_checkpoint_is_refused(files, tmp_path):
+    model, folder = files
+    want = model.state_dict()
+    _refused_or_same(folder / "model.pt", tmp_path, HLALM.load, lambda got: all(
+        torch.equal(got.state_dict()[n], w) for n, w in want.items()))
+
+
+def test_checkpoint_digest_catches_a_changed_weight(files, tmp_path):
+    model, folder = files
+    blob = torch.load(folder / "model.pt", weights_only=True)
+    blob["weights"]["embed.weight"][3, 4] += 491.0
+    torch.save(blob, tmp_path / "edited.pt")
+    with pytest.raises(ValueError, match="do not match the digest"):
+        HLALM.load(tmp_path / "edited.pt")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("vocab_size", None, "config key 'vocab_size' is missing"),
+    ("n_heads", "4", "config key 'n_heads' must be int"),
+    ("masked", 1, "config key 'masked' must be bool"),
+    ("colour", "red", "unknown config key 'colour'"),
+    ("order", 5, "does not describe an HLALM"),
+])
+def test_bad_checkpoint_config_names_the_key(files, tmp_path, key, value, match):
+    _, folder = files
+    blob = torch.load(folder / "model.pt", weights_only=True)
+    if value is None:
+        del blob["config"][key]
+    else:
+        blob["config"][key] = value
+    blob["digest"] = weights_digest(blob["config"], blob["weights"])   # a consistent file
+    torch.save(blob, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=match):
+        HLALM.load(tmp_path / "bad.pt")
+
+
+def test_garbage_checkpoint_gives_no_unpickling_advice(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"\x80\x04junk" * 50)
+    torch.save({"x": torch.nn.Linear(2, 2)}, tmp_path / "module.pt")
+    for name in ("junk.pt", "module.pt"):
+        with pytest.raises(ValueError, match="not") as err:
+            HLALM.load(tmp_path / name)
+        assert "weights_only" not in str(err.value)
+
+
+def test_damaged_onnx_is_refused(files, tmp_path):
+    _, folder = files
+    tokens = np.array([[1, 2, 3, 4]])
+    want = hla_onnx.session(folder / "model.onnx").run(None, {"tokens": tokens})[0]
+    _refused_or_same(folder / "model.onnx", tmp_path, hla_onnx.session,
+                     lambda sess: np.array_equal(sess.run(None, {"tokens": tokens})[0], want))
+    with pytest.raises(ValueError, match="not a readable ONNX model"):
+        hla_onnx.compile(_damaged(folder / "model.onnx", tmp_path / "t.onnx", "truncate", 1),
+                         out=tmp_path / "x.so")
+
+
+def test_damaged_state_file_is_refused(files, tmp_path):
+    _, folder = files
+    m = load(folder / "model.so")
+    want = [x.numpy() for x in m.load_state(folder / "state.npz")]
+    _refused_or_same(folder / "state.npz", tmp_path, m.load_state, lambda got: all(
+        np.array_equal(a.numpy(), b) for a, b in zip(got, want)))
+
+
+def test_state_file_with_nan_or_flat_entry_names_the_entry(files, tmp_path):
+    _, folder = files
+    m = load(folder / "model.so")
+    arrays = dict(np.load(folder / "state.npz"))
+    nan = dict(arrays)
+    nan["layer1.G"] = nan["layer1.G"].copy()
+    nan["layer1.G"][0, 1, 2, 3] = np.nan
+    np.savez(tmp_path / "nan.npz", **nan)
+    with pytest.raises(ValueError, match=r"layer1\.G holds non-finite"):
+        m.load_state(tmp_path / "nan.npz")
+    for name in ("layer0.S", "layer1.C"):
+        flat = dict(arrays)
+        flat[name] = flat[name].reshape(-1)
+        np.savez(tmp_path / "flat.npz", **flat)
+        with pytest.raises(ValueError, match=rf"state entry {name} must have shape \[(B|1), "
+                                             r"4, 8, 8\], got \[\d+\]"):
+            m.load_state(tmp_path / "flat.npz")
+
+
+CASES = [("truncate", 0), ("truncate", 2), ("flip", 0), ("flip", 1), ("foreign", 0)]
+
+
+@pytest.mark.parametrize("how, seed", CASES)
+def test_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, how, seed):
+    """A cache file cut short, flipped, or holding a kernel built with other options (under this
+    entry's name) is rebuilt with a warning; later calls give the right answer."""
+    monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path))
+    q, k, v = make_qkv(1, 2, 40, 8, 4, seed=3, dtype=torch.float32)
+    want = hla2.quadratic(*(x.double() for x in (q, k, v)))
+    build.clear_memory_cache()
+    try:
+        assert rel_err(hla(q, k, v, chunk_size=16), want) <= 1e-4
+        (entry,) = [p for p in tmp_path.iterdir() if p.name.startswith("hla2_prefill-")]
+        if how == "foreign":   # a kernel compiled with other options under this entry's name
+            hla(q, k, v, chunk_size=16, normalize=True)
+            other = [p for p in tmp_path.iterdir() if p.name.startswith("hla2_prefill-")
+                     and p != entry][0]
+            _damaged(other, entry, "flip", 0, count=0)
+        else:
+            _damaged(entry, entry, how, seed, count=64)
+        build.clear_memory_cache()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = hla(q, k, v, chunk_size=16)
+        assert any("rebuilding unreadable cached kernel" in str(w.message) for w in caught)
+        assert rel_err(got, want) <= 1e-4
+        assert rel_err(hla(q, k, v, chunk_size=16), want) <= 1e-4
+    finally:
+        build.clear_memory_cache()
+
+
+def test_module_compiled_again_to_the_same_path_is_reloaded(tmp_path):
+    """The dynamic loader returns a library already loaded under a path even after the file
+    changed; loading must give the new module, not the old one."""
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 11))
+    for seed, cfg in enumerate([dict(), dict(decay=0.9)]):
+        torch.manual_seed(seed)
+        model = HLALM(VOCAB, 32, 1, 4, chunk_size=16, **cfg).eval()
+        compile_model(model, out=tmp_path / "same.so")
+        m = load(tmp_path / "same.so")
+        logits, _ = m.prefill(tokens, m.init_state(2))
+        with torch.no_grad():
+            ref, _ = model(torch.as_tensor(tokens))
+        assert rel_err(torch.from_numpy(logits), ref) <= 1e-4, cfg
+    assert sorted(os.listdir(tmp_path)) == ["same.so"]   # no aliases left behind
