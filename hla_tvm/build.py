@@ -31,8 +31,9 @@ def _key_blob(spec: dict, target) -> str:
 
     from . import __version__
 
+    # "sealed": entries carry the libfile trailer; older unsealed entries are simply not found
     return json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
-                       "tvm": tvm.__version__}, sort_keys=True)
+                       "tvm": tvm.__version__, "cache": "sealed"}, sort_keys=True)
 
 
 def schedule_module(mod, target):
