@@ -4,7 +4,7 @@ Attributes load lazily, so that `hla_tvm.runtime` (and `hla-tvm run`) work with 
 alone, without importing torch or TVM's compiler."""
 __version__ = "0.1.0"
 
-__all__ = ["hla", "compile", "__version__"]
+__all__ = ["hla", "decode_", "init_state", "compile", "__version__"]
 
 
 def __getattr__(name):
@@ -12,6 +12,10 @@ def __getattr__(name):
         from .api import hla
 
         return hla
+    if name in ("decode_", "init_state"):
+        from . import decode
+
+        return getattr(decode, name)
     if name == "compile":
         from .compiler import compile as compile_model
 

@@ -33,7 +33,16 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         differentiable).
     target: None or "llvm" for this CPU, or a dict / tvm.target.Target.
     Returns o [B, H, T, Dv] in q's dtype, or (o, state) with return_state=True.
+
+    To stream tokens use `decode_`, which advances the state in place at about the cost of the
+    kernel; `hla` copies the state first (the caller's is left as it was).
     """
+    if backend == "tvm" and attention_mask is None and isinstance(q, torch.Tensor) and \
+            q.dim() == 4 and q.shape[2] == 1 and isinstance(return_state, bool):
+        step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
+                         decay, target, chunk_size)
+        if step is not None:
+            return step if return_state else step[0]
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
     order = validate.integer("order", order, choices={2, 3})
     for name, flag in (("asymmetric", asymmetric), ("masked", masked), ("normalize", normalize),
@@ -76,6 +85,32 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     return (out, new_state) if return_state else out
 
 
+def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+              chunk_size):
+    """(o, new state) of one token through `decode_`'s plan, on a private copy of the state;
+    None when an argument needs the full checks of `hla` (which then explain it)."""
+    from .decode import _plan
+
+    validate.integer("chunk_size", chunk_size, low=1)
+    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+    if state is None:
+        st = [torch.zeros(shape, dtype=plan.acc) for shape in plan.shapes]
+    else:
+        if not isinstance(state, dict) or len(state) != len(plan.names):
+            return None
+        st = []
+        for name, shape in zip(plan.names, plan.shapes):
+            x = state.get(name)
+            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or \
+                    x.shape != shape:
+                return None
+            y = x.to(plan.acc)
+            st.append(y.clone() if y is x and x.is_contiguous() else y.contiguous())
+    out = torch.empty(plan.out_shape, dtype=plan.dtype)
+    plan.run(q.contiguous(), k.contiguous(), v.contiguous(), st, out)
+    return out, dict(zip(plan.names, st))
+
+
 def _expand_groups(op, k, v, state, group):
     """Grouped key/value heads run as repeated heads; the state entries built from k, v alone
     are stored once per key/value head and repeated here for the query heads."""
@@ -98,7 +133,8 @@ def _tvm_not_yet(op, *, decay, device):
 
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
-    """The reference: chunk form, in float64 for float64 input and float32 otherwise. The
+    """The PyTorch forms: chunk form (all chunks at once for undecayed second order, else the
+    reference's chunk loop), in float64 for float64 input and float32 otherwise. The
     serial recurrence runs instead where the chunk form cannot give the exact answer: padding
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
     zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
@@ -114,6 +150,10 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     if mask is not None or not all(bool(torch.isfinite(x).all()) for x in (qw, kw, vw)):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
+    elif op.name == "hla2" and decay is None:   # every chunk at once (`fast.chunk`)
+        from .fast.chunk import hla2_chunked
+
+        out, st = hla2_chunked(qw, kw, vw, chunk_size=chunk_size, state=st, **opts)
     else:
         out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
     return out.to(q.dtype), st

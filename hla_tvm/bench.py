@@ -1,59 +1,183 @@
-"""`hla-tvm bench`: TVM kernels vs PyTorch eager, side by side in one run, best of `repeat`.
+"""`hla-tvm bench decode|prefill`: the compiled kernels beside the strongest PyTorch forms,
+measured in one process, one table with ratios (and optionally JSON).
 
-PyTorch eager runs the reference chunk form (`reference.hla2.chunked`, float32, same chunk size)
-for prefill and the reference one-token update (`reference.hla2.step`) for decode."""
+decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
+         the state), torch (`fast.step`, in place), torch_compile (torch.compile of it),
+         state_copy (copying the state's bytes once: the floor of a memory-bound step)
+prefill: tvm (`hla`), torch (`fast.chunk` for second order without decay, else the reference
+         chunk loop), torch_compile (of the fast form), torch_sdpa (causal softmax attention,
+         the quadratic baseline), sgemm (this machine's float32 matmul rate, GFLOP/s)"""
 from __future__ import annotations
 
+import json
+import platform
+import statistics
 import time
 
 import torch
 
+OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 
-def _best(fn, repeat, number=1):
-    fn()  # warm up (compiles on first use)
-    best = float("inf")
-    for _ in range(repeat):
+
+def _measure(fn, runs, number=1):
+    """(median, min) seconds per call over `runs` timed runs of `number` calls, after warm-up."""
+    fn()
+    fn()
+    times = []
+    for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(number):
             fn()
-        best = min(best, (time.perf_counter() - t0) / number)
-    return best
+        times.append((time.perf_counter() - t0) / number)
+    return statistics.median(times), min(times)
 
 
-def measure(batch=1, heads=8, length=8192, head_dim=64, chunk_size=64, repeat=5,
-            decode_steps=200):
-    """{case: (tvm seconds, torch seconds)} for prefill of `length` tokens and one decode step."""
-    from . import hla
-    from .reference import hla2 as ref
+def machine():
+    """{cpu, cores, isa} of this machine."""
+    from .runtime import physical_cores
 
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = next((x for x in ("avx512f", "avx2", "sve", "asimd", "neon") if x in flags),
+               platform.machine())
+    return {"cpu": cpu, "cores": physical_cores(), "isa": isa}
+
+
+def _inputs(batch, heads, seq, dk, dv, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=g) / head_dim ** 0.5
-               for _ in range(3))
-    res = {}
-    res["prefill"] = (
-        _best(lambda: hla(q, k, v, chunk_size=chunk_size), repeat),
-        _best(lambda: ref.chunked(q, k, v, chunk_size=chunk_size), repeat))
-    _, st = hla(q[:, :, :64], k[:, :, :64], v[:, :, :64], return_state=True)
-    q1, k1, v1 = (x[:, :, 64:65].contiguous() for x in (q, k, v))
-    st_ref = {n: x.clone() for n, x in st.items()}
-    res["decode"] = (
-        _best(lambda: hla(q1, k1, v1, state=st, return_state=True), repeat, decode_steps),
-        _best(lambda: ref.step(q1[:, :, 0], k1[:, :, 0], v1[:, :, 0], st_ref), repeat,
-              decode_steps))
-    return res
+    return (torch.randn(batch, heads, seq, d, generator=g, dtype=dtype) / d ** 0.5
+            for d in (dk, dk, dv))
 
 
-def run(batch=1, heads=8, length=8192, head_dim=64, chunk_size=64, repeat=5):
-    torch.set_num_threads(torch.get_num_threads())
-    print(f"hla-tvm bench: second-order masked HLA, B={batch} H={heads} D={head_dim}, "
-          f"chunk {chunk_size}, {torch.get_num_threads()} threads; best of {repeat}")
-    res = measure(batch, heads, length, head_dim, chunk_size, repeat)
-    print(f"{'case':<24}{'tvm':>12}{'torch eager':>14}{'torch/tvm':>12}")
-    for case, (t_tvm, t_torch) in res.items():
-        label = f"prefill T={length}" if case == "prefill" else "decode (1 token)"
-        print(f"{label:<24}{_fmt(t_tvm):>12}{_fmt(t_torch):>14}{t_torch / t_tvm:>11.2f}x")
-    return 0
+def decode_cases(batch, heads, dk, dv, op, decay):
+    """{name: fn} of one decode step each, from the state after 16 prompt tokens."""
+    from . import decode_, hla
+    from .fast.step import STEPS
+
+    kw = OPS[op]
+    q, k, v = _inputs(batch, heads, 17, dk, dv)
+    _, st = hla(q[:, :, :16], k[:, :, :16], v[:, :, :16], decay=decay, return_state=True,
+                **kw)
+    q1, k1, v1 = (x[:, :, 16].contiguous() for x in (q, k, v))
+    q4, k4, v4 = (x.unsqueeze(2) for x in (q1, k1, v1))
+    states = {name: {n: x.clone() for n, x in st.items()} for name in
+              ("tvm", "torch", "torch_compile")}
+    step = STEPS[op]
+    compiled = torch.compile(step, dynamic=False)
+    dst = {n: torch.empty_like(x) for n, x in st.items()}
+
+    def state_copy():
+        for n, x in st.items():
+            dst[n].copy_(x)
+
+    return {
+        "tvm": lambda: decode_(q1, k1, v1, states["tvm"], decay=decay, **kw),
+        "tvm_hla": lambda: hla(q4, k4, v4, state=st, decay=decay, return_state=True, **kw),
+        "torch": lambda: step(q1, k1, v1, states["torch"], decay=decay),
+        "torch_compile": lambda: compiled(q1, k1, v1, states["torch_compile"], decay=decay),
+        "state_copy": state_copy,
+    }
+
+
+def hla2_prefill_flops(B, H, T, dk, dv, n):
+    """Multiply-adds x 2 of the chunked second-order prefill (summary, carry, output)."""
+    nc = -(-T // n)
+    summary = n * dk * dk + n * dk * dv + n * n * dk + n * n * dv + n * dk * dv
+    output = n * n * dk + n * dk * dk + n * n * dk + n ** 3 + n * dk * dv + n * n * dv
+    return 2 * B * H * nc * (summary + output + dk * dk * dv)
+
+
+def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size):
+    from . import hla
+    from .fast.chunk import hla2_chunked
+
+    kw = OPS[op]
+    q, k, v = _inputs(batch, heads, seq, dk, dv)
+    cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size, **kw)}
+    if op == "hla2" and decay is None:
+        fast = lambda *a: hla2_chunked(*a, chunk_size=chunk_size)[0]  # noqa: E731
+        compiled = torch.compile(fast, dynamic=False)
+        cases["torch"] = lambda: fast(q, k, v)
+        cases["torch_compile"] = lambda: compiled(q, k, v)
+    else:
+        cases["torch"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
+                                     backend="torch", **kw)
+    cases["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True)
+    return cases
+
+
+def sgemm_rate(size=2048, runs=3):
+    """This machine's float32 matmul rate (GFLOP/s) through torch, best of `runs`."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    _, best = _measure(lambda: a @ b, runs)
+    return 2 * size ** 3 / best / 1e9
+
+
+def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", decay=None,
+        chunk_size=64, repeat=5, json_path=None, out=print):
+    dv = dv or dk
+    from .runtime import set_threads
+
+    set_threads(None)
+    shape = dict(batch=batch, heads=heads, dk=dk, dv=dv, op=op, decay=decay,
+                 threads=torch.get_num_threads())
+    if mode == "decode":
+        cases = decode_cases(batch, heads, dk, dv, op, decay)
+        number = 200
+    else:
+        shape.update(seq=seq, chunk_size=chunk_size)
+        cases = prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size)
+        number = 1
+    results = {}
+    for name, fn in cases.items():
+        med, best = _measure(fn, repeat, number)
+        results[name] = {"median_s": med, "min_s": best, "runs": repeat}
+    extra = {}
+    if mode == "prefill":
+        extra["sgemm_gflops"] = sgemm_rate()
+        if op == "hla2" and decay is None:
+            flops = hla2_prefill_flops(batch, heads, seq, dk, dv, chunk_size)
+            extra["tvm_gflops"] = flops / results["tvm"]["median_s"] / 1e9
+    info = machine()
+    report = {"mode": mode, "shape": shape, "machine": info, "results": results, **extra}
+    _table(report, out)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+        out(f"wrote {json_path}")
+    return report
 
 
 def _fmt(seconds):
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
+def _table(report, out):
+    s, m, res = report["shape"], report["machine"], report["results"]
+    what = s["op"] if s["decay"] is None else f"{s['op']} decay {s['decay']}"
+    size = f"B={s['batch']} H={s['heads']} Dk={s['dk']} Dv={s['dv']}" + \
+        (f" T={s['seq']} chunk {s['chunk_size']}" if report["mode"] == "prefill" else "")
+    out(f"hla-tvm bench {report['mode']}: {what}, {size}; {m['cpu']} ({m['cores']} cores, "
+        f"{m['isa']}), median of {next(iter(res.values()))['runs']} runs")
+    ref = res["tvm"]["median_s"]
+    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}")
+    for name, r in res.items():
+        out(f"{name:<16}{_fmt(r['median_s']):>12}{_fmt(r['min_s']):>12}"
+            f"{r['median_s'] / ref:>9.2f}x")
+    if "sgemm_gflops" in report:
+        line = f"sgemm {report['sgemm_gflops']:.0f} GFLOP/s"
+        if "tvm_gflops" in report:
+            line += (f"; tvm kernels {report['tvm_gflops']:.0f} GFLOP/s "
+                     f"({report['tvm_gflops'] / report['sgemm_gflops']:.0%} of sgemm)")
+        out(line)
+    out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster)")
+

@@ -31,8 +31,21 @@ def _demo(args):
 def _bench(args):
     from .bench import run
 
-    return run(batch=args.batch, heads=args.heads, length=args.length, head_dim=args.head_dim,
-               chunk_size=args.chunk_size, repeat=args.repeat)
+    run(mode=args.mode, batch=args.batch, heads=args.heads, seq=args.seq, dk=args.dk,
+        dv=args.dv, op=args.op, decay=args.decay, chunk_size=args.chunk_size,
+        repeat=args.repeat, json_path=args.json)
+    return 0
+
+
+def _decay(text):
+    """argparse type: a decay factor in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
+    return value
 
 
 def _compile(args):
@@ -156,21 +169,32 @@ def build_parser():
                    help="head size Dk = Dv")
     d.set_defaults(func=_demo)
 
-    b = command("bench", help="time prefill and decode: TVM kernels vs PyTorch eager, side by "
-                              "side, with ratios",
-                description="Time second-order masked HLA prefill (T tokens) and one decode step "
-                            "with the compiled TVM kernels and with PyTorch eager in one run; "
-                            "prints both and their ratio.")
+    b = command("bench", help="time decode or prefill: the TVM kernels beside the fastest "
+                              "PyTorch forms, one table with ratios",
+                description="Time one decode step or a prefill of T tokens in one process: "
+                            "decode: tvm (decode_), tvm_hla (hla, which copies the state), "
+                            "torch (in-place PyTorch step), torch_compile, state_copy (copying "
+                            "the state once, the floor); prefill: tvm, torch (the chunk form "
+                            "with every chunk at once), torch_compile, torch_sdpa (causal "
+                            "softmax), and this machine's sgemm rate.")
+    b.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
+                   help="what to time")
+    b.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
+                   help="operator: second order, asymmetric (AHLA) or third order")
     b.add_argument("--batch", type=_positive, default=1, help="batch size B")
     b.add_argument("--heads", type=_positive, default=8, help="heads H")
-    b.add_argument("--length", type=_positive, default=8192,
+    b.add_argument("--seq", "--length", dest="seq", type=_positive, default=8192,
                    help="prefill length T")
-    b.add_argument("--head-dim", type=_positive, default=64,
-                   help="head size Dk = Dv")
+    b.add_argument("--dk", "--head-dim", dest="dk", type=_positive, default=64,
+                   help="key/query head size")
+    b.add_argument("--dv", type=_positive, default=None, help="value head size (default: dk)")
+    b.add_argument("--decay", type=_decay, default=None, help="decay factor in (0, 1]")
     b.add_argument("--chunk-size", type=_positive, default=64,
                    help="chunk size of the chunked prefill")
     b.add_argument("--repeat", type=_positive, default=5,
-                   help="timed runs per case; the best is kept")
+                   help="timed runs per case (median and min reported)")
+    b.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results as JSON")
     b.set_defaults(func=_bench)
 
     k = command("compile", help="compile an HLALM checkpoint or an ONNX model from "

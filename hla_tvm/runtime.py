@@ -27,8 +27,14 @@ META_FUNC = "hla_tvm_meta"
 
 
 def _import_tvm_runtime():
+    """TVM, runtime-only unless it is already imported or torch is (a process that works with
+    torch goes on to compile: a runtime-only TVM there would break `hla()` and `compile`)."""
     if "tvm" in sys.modules:
         return sys.modules["tvm"]
+    if "torch" in sys.modules:
+        import tvm
+
+        return tvm
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     blocker = None
     if "torch" not in sys.modules:

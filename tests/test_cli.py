@@ -18,11 +18,22 @@ def test_demo_checks_against_float64(capsys):
     assert "OK" in capsys.readouterr().out
 
 
-def test_bench_prints_ratios(capsys):
-    assert main(["bench", "--length", "128", "--heads", "2", "--head-dim", "8",
-                 "--repeat", "1"]) == 0
+def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
+    import json
+
+    assert main(["bench", "decode", "--heads", "2", "--dk", "8", "--repeat", "1",
+                 "--json", str(tmp_path / "d.json")]) == 0
     out = capsys.readouterr().out
-    assert "prefill T=128" in out and "decode" in out and "x" in out
+    for case in ("tvm ", "tvm_hla", "torch ", "torch_compile", "state_copy"):
+        assert case in out
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert report["mode"] == "decode" and set(report["machine"]) == {"cpu", "cores", "isa"}
+    assert set(report["results"]["tvm"]) == {"median_s", "min_s", "runs"}
+    assert main(["bench", "prefill", "--seq", "128", "--heads", "2", "--dk", "8",
+                 "--chunk-size", "16", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in ("tvm ", "torch ", "torch_compile", "torch_sdpa", "sgemm", "GFLOP/s"):
+        assert case in out
 
 
 def test_cache_lists_folder(capsys):
@@ -99,6 +110,7 @@ def test_every_command_explains_its_flags(capsys, command):
     out = capsys.readouterr().out
     assert "--debug" in out
     if command == "bench":
-        for flag in ("--batch", "--heads", "--length", "--head-dim", "--chunk-size", "--repeat"):
+        for flag in ("--batch", "--heads", "--seq", "--dk", "--dv", "--op", "--decay",
+                     "--chunk-size", "--repeat", "--json"):
             assert flag in out
         assert "(default: 8192)" in out and "(default: 5)" in out

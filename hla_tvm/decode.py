@@ -1,0 +1,223 @@
+"""`decode_(q, k, v, state, ...)`: one token of any HLA operator, state updated in place, through
+a call path as thin as the compiled kernel; `init_state(...)`: the zero state it advances.
+
+Everything that depends only on shapes, dtypes and options (argument checks, the kernel, the
+decay vector) is worked out once and kept in a plan keyed by them, so a call costs a dictionary
+lookup, a check of each state tensor's shape, dtype and layout, and the kernel."""
+from __future__ import annotations
+
+import operator
+import threading
+
+import torch
+
+from . import operators, validate
+
+_PLANS: dict = {}
+_LOCK = threading.Lock()
+
+
+def state_dtype(dtype):
+    """The dtype of the state (and accumulation) for inputs of torch dtype `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2,
+               asymmetric=False, dtype=torch.float32, device="cpu"):
+    """The zero state of `batch` fresh sequences, the dict `hla(..., return_state=True)` returns
+    and `decode_` advances: entries built from k, v alone have `kv_heads` heads (default
+    `heads`), the rest `heads`; float64 for float64 inputs (`dtype`), else float32."""
+    batch = validate.integer("batch", batch, low=1)
+    heads = validate.integer("heads", heads, low=1)
+    head_dim = validate.integer("head_dim", head_dim, low=1)
+    value_dim = head_dim if value_dim is None else validate.integer("value_dim", value_dim, low=1)
+    kv_heads = heads if kv_heads is None else validate.integer("kv_heads", kv_heads, low=1)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
+    if dtype not in validate.FLOATS:
+        raise TypeError(f"dtype must be the inputs' floating dtype, got {dtype}")
+    op = operators.get(order, asymmetric)
+    shapes = op.state_shapes(batch, heads, kv_heads, head_dim, value_dim)
+    return {n: torch.zeros(shapes[n], dtype=state_dtype(dtype), device=device)
+            for n in op.state_names}
+
+
+class _Plan:
+    """What one (shapes, dtype, options) combination needs at call time."""
+
+    def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
+        from . import backend
+        from .reference._common import gamma
+        from .target import resolve
+
+        q4, k4, v4 = (x if x.dim() == 4 else x.unsqueeze(2) for x in (q, k, v))
+        B, H, Hkv, T, dk, dv = validate.qkv(q4, k4, v4)
+        if T != 1:
+            raise ValueError(f"decode_ takes one token: q [B, H, Dk] or [B, H, 1, Dk], got "
+                             f"{tuple(q.shape)}")
+        op = operators.get(validate.integer("order", order, choices={2, 3}), asymmetric)
+        for name, flag in (("asymmetric", asymmetric), ("masked", masked),
+                           ("normalize", normalize)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        eps = validate.real("eps", eps, low=0.0)
+        ridge = validate.real("ridge", ridge, low=0.0)
+        if not op.has_mask_ridge and (ridge or not masked):
+            raise ValueError(f"masked=False and ridge are defined for second-order symmetric "
+                             f"HLA only, not for {op.name}")
+        decay = validate.decay(decay, H)
+        if q.device.type != "cpu":
+            raise NotImplementedError(f"decode_ runs CPU tensors only for now, got {q.device}")
+        self.group = H // Hkv
+        if self.group > 1 and isinstance(decay, torch.Tensor) and not bool(
+                (decay.view(Hkv, self.group) == decay.view(Hkv, self.group)[:, :1]).all()):
+            raise ValueError("with grouped key/value heads the decay must be equal within each "
+                             "group of query heads that share a key/value head")
+        self.acc = state_dtype(q.dtype)
+        self.names = tuple(op.state_names)
+        self.get = operator.itemgetter(*self.names)
+        shapes = op.state_shapes(B, H, Hkv, dk, dv)
+        self.shapes = tuple(torch.Size(shapes[n]) for n in self.names)
+        self.kv = tuple(n in op.kv_state for n in self.names)
+        self.out_shape = torch.Size((B, H, 1, dv))
+        self.dtype, self.ndim = q.dtype, q.dim()
+        self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
+        opts = dict(normalize=normalize, eps=eps, dtype=backend.TORCH_DTYPES[q.dtype])
+        tgt = resolve(target)
+        if op.name == "hla2" and decay is None:
+            opts.update(masked=masked, ridge=ridge)
+            self.fn = backend.decode_module(dk, dv, tgt, **opts)["hla2_decode"]
+            self.gamma = None
+        else:
+            name = "hla2d" if op.name == "hla2" else op.name
+            if op.has_mask_ridge:
+                opts.update(masked=masked, ridge=ridge)
+            self.fn = backend.scan_family_decode_module(name, dk, dv, tgt, **opts)[
+                f"{name}_decode"]
+            self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
+
+    def check_state(self, state):
+        """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
+        if type(state) is not dict or len(state) != len(self.names):
+            if not isinstance(state, dict):
+                raise TypeError(f"state must be a dict of tensors {list(self.names)}, got "
+                                f"{type(state).__name__}")
+            raise ValueError(f"state must have exactly the keys {list(self.names)}, got "
+                             f"{sorted(state)}")
+        out = []
+        for name, shape in zip(self.names, self.shapes):
+            x = state.get(name)
+            if type(x) is not torch.Tensor or x.shape != shape or x.dtype != self.acc or \
+                    not x.is_contiguous() or not x.is_cpu:
+                self._explain(name, x, shape)
+            out.append(x)
+        return out
+
+    def _explain(self, name, x, shape):
+        if x is None:
+            raise ValueError(f"state must have exactly the keys {list(self.names)}: "
+                             f"{name!r} is missing")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"state[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != shape:
+            raise ValueError(f"state[{name!r}] must have shape {list(shape)} for {self.context},"
+                             f" got {tuple(x.shape)}")
+        if x.dtype != self.acc:
+            raise TypeError(f"state[{name!r}] must be {self.acc} for {self.dtype} inputs (it is "
+                            f"updated in place), got {x.dtype}")
+        if x.device.type != "cpu":
+            raise ValueError(f"state[{name!r}] must be a CPU tensor, got {x.device}")
+        raise ValueError(f"state[{name!r}] must be contiguous (it is updated in place)")
+
+    def check_out(self, out):
+        if type(out) is not torch.Tensor or out.dtype != self.dtype or \
+                out.numel() != self.out_shape.numel() or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {self.dtype} tensor of "
+                             f"{list(self.out_shape)} (or [B, H, Dv]), got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} "
+                             f"{tuple(getattr(out, 'shape', ()))}")
+        return out.view(self.out_shape)
+
+    def run(self, q, k, v, st, out):
+        """o [B, H, 1, Dv] after one token; the tensors of `st` advanced in place."""
+        if self.group > 1:
+            return self._run_grouped(q, k, v, st, out)
+        if self.gamma is None:
+            self.fn(q, k, v, *st, out)
+        else:
+            self.fn(q, k, v, self.gamma, *st, out)
+        return out
+
+    def _run_grouped(self, q, k, v, st, out):
+        """The kernels run every query head: k, v and the key/value-only entries are repeated,
+        and each group's first copy of the updated entries is written back in place."""
+        g = self.group
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        full = [x.repeat_interleave(g, 1) if kv else x for x, kv in zip(st, self.kv)]
+        args = [q, k, v] + ([] if self.gamma is None else [self.gamma]) + full + [out]
+        self.fn(*args)
+        for x, y, kv in zip(st, full, self.kv):
+            if kv:
+                x.copy_(y[:, ::g])
+        return out
+
+
+def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dkey = decay if decay is None or isinstance(decay, (int, float)) else \
+        (tuple(decay.tolist()) if isinstance(decay, torch.Tensor) else repr(decay))
+    tkey = target if target is None or isinstance(target, str) else str(target)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, order, asymmetric,
+           masked,
+           normalize, eps, ridge, dkey, tkey)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:   # an unhashable option: checked (and refused) by the plan
+        plan, key = None, None
+    if plan is None:
+        plan = _Plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+        if key is not None:
+            with _LOCK:
+                _PLANS[key] = plan
+    return plan
+
+
+def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize=False,
+            eps=1e-6, ridge=0.0, decay=None, out=None, target=None):
+    """One token of HLA (the operators and options of `hla`), with `state` updated in place.
+
+    q [B, H, Dk] or [B, H, 1, Dk]; k [B, Hkv, Dk], v [B, Hkv, Dv] likewise (grouped heads when
+    Hkv divides H). state: the dict `hla(..., return_state=True)` or `init_state` gave, its
+    tensors contiguous CPU tensors in the state dtype (float32, float64 for float64 inputs);
+    they are advanced in place (PyTorch's trailing-underscore convention). out: an optional
+    preallocated output. Returns o, [B, H, Dv] or [B, H, 1, Dv] as q, in q's dtype.
+
+    Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
+    the state, leaving the caller's untouched) and handles prompts of any length."""
+    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+    try:
+        st = plan.get(state)
+        ok = len(state) == len(plan.names)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok or plan.group > 1:   # the kernels see repeated copies of a grouped state
+        st = plan.check_state(state)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if plan.ndim == 3:
+        q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
+    o = torch.empty(plan.out_shape, dtype=plan.dtype) if out is None else \
+        (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) else out
+    try:
+        # the compiled function checks every argument's shape, dtype, layout and device before
+        # it writes anything; its complaint is explained below
+        plan.run(q, k, v, st, o)
+    except (ValueError, TypeError):
+        plan.check_state(state)
+        if out is not None:
+            plan.check_out(out)
+        raise
+    if out is not None:
+        return out
+    return o if plan.ndim == 4 else o.view(o.shape[0], o.shape[1], o.shape[3])
