@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import operators, validate
+from . import validate
 from .reference._common import fold
 
 BACKENDS = ("tvm", "torch")
@@ -44,18 +44,10 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         if step is not None:
             return step if return_state else step[0]
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
-    order = validate.integer("order", order, choices={2, 3})
-    for name, flag in (("asymmetric", asymmetric), ("masked", masked), ("normalize", normalize),
-                       ("return_state", return_state)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    op = operators.get(order, asymmetric)
-    eps = validate.real("eps", eps, low=0.0)
-    ridge = validate.real("ridge", ridge, low=0.0)
-    if not op.has_mask_ridge and (ridge or not masked):
-        raise ValueError(f"masked=False and ridge are defined for second-order symmetric HLA "
-                         f"only, not for {op.name}")
-    decay = validate.decay(decay, H)
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
+    op, eps, ridge, decay = validate.operator_options(order, asymmetric, masked, normalize, eps,
+                                                      ridge, decay, H, Hkv)
     chunk_size = validate.integer("chunk_size", chunk_size, low=1)
     mask = validate.attention_mask(attention_mask, B, T)
     if backend not in BACKENDS:
@@ -64,11 +56,6 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
                        f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
     group = H // Hkv
-    if group > 1 and isinstance(decay, torch.Tensor) and \
-            not bool((decay.view(Hkv, group) == decay.view(Hkv, group)[:, :1]).all()):
-        raise ValueError("with grouped key/value heads the decay must be equal within each "
-                         "group of query heads that share a key/value head (their key moment "
-                         "is stored once)")
     opts = dict(normalize=normalize, eps=eps)
     if op.has_mask_ridge:
         opts.update(masked=masked, ridge=ridge)

@@ -100,8 +100,6 @@ def _size_thread_pool():
 
 
 def _save(exe, path, tag):
-    import tvm
-
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))

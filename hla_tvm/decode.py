@@ -55,24 +55,11 @@ class _Plan:
         if T != 1:
             raise ValueError(f"decode_ takes one token: q [B, H, Dk] or [B, H, 1, Dk], got "
                              f"{tuple(q.shape)}")
-        op = operators.get(validate.integer("order", order, choices={2, 3}), asymmetric)
-        for name, flag in (("asymmetric", asymmetric), ("masked", masked),
-                           ("normalize", normalize)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        eps = validate.real("eps", eps, low=0.0)
-        ridge = validate.real("ridge", ridge, low=0.0)
-        if not op.has_mask_ridge and (ridge or not masked):
-            raise ValueError(f"masked=False and ridge are defined for second-order symmetric "
-                             f"HLA only, not for {op.name}")
-        decay = validate.decay(decay, H)
+        op, eps, ridge, decay = validate.operator_options(
+            order, asymmetric, masked, normalize, eps, ridge, decay, H, Hkv)
         if q.device.type != "cpu":
             raise NotImplementedError(f"decode_ runs CPU tensors only for now, got {q.device}")
         self.group = H // Hkv
-        if self.group > 1 and isinstance(decay, torch.Tensor) and not bool(
-                (decay.view(Hkv, self.group) == decay.view(Hkv, self.group)[:, :1]).all()):
-            raise ValueError("with grouped key/value heads the decay must be equal within each "
-                             "group of query heads that share a key/value head")
         self.acc = state_dtype(q.dtype)
         self.names = tuple(op.state_names)
         self.get = operator.itemgetter(*self.names)

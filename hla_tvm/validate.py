@@ -111,3 +111,29 @@ def attention_mask(mask, B, T):
     if mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     return mask.bool()
+
+
+def operator_options(order, asymmetric, masked, normalize, eps, ridge, decay_arg, H, Hkv):
+    """The checked options of one operator call: (op, eps, ridge, decay); the decay as `decay`
+    returns it, and with grouped heads equal within each group (their key moment is shared)."""
+    from . import operators
+
+    order = integer("order", order, choices={2, 3})
+    for name, flag in (("asymmetric", asymmetric), ("masked", masked),
+                       ("normalize", normalize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    op = operators.get(order, asymmetric)
+    eps = real("eps", eps, low=0.0)
+    ridge = real("ridge", ridge, low=0.0)
+    if not op.has_mask_ridge and (ridge or not masked):
+        raise ValueError(f"masked=False and ridge are defined for second-order symmetric HLA "
+                         f"only, not for {op.name}")
+    gamma = decay(decay_arg, H)
+    group = H // Hkv
+    if group > 1 and isinstance(gamma, torch.Tensor) and \
+            not bool((gamma.view(Hkv, group) == gamma.view(Hkv, group)[:, :1]).all()):
+        raise ValueError("with grouped key/value heads the decay must be equal within each "
+                         "group of query heads that share a key/value head (their key moment "
+                         "is stored once)")
+    return op, eps, ridge, gamma

@@ -26,3 +26,24 @@ def make_qkv(B, H, T, dk, dv, *, seed=0, positive=False, dtype=torch.float64):
         q, k = q.abs(), k.abs()
     q, k = q / dk ** 0.5, k / dk ** 0.5
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+_COMPILED = {}
+
+
+@pytest.fixture(scope="session")
+def compiled_lm(tmp_path_factory):
+    """get(name, **config) -> (model, path): HLALM(40, 32, 2, 4, chunk_size=16, **config) from
+    seed 0, compiled once per session and shared by the test files that need one."""
+    def get(name, **config):
+        if name not in _COMPILED:
+            from hla_tvm.compiler import compile as compile_model
+            from hla_tvm.models import HLALM
+
+            torch.manual_seed(0)
+            model = HLALM(40, 32, 2, 4, chunk_size=16, **config).eval()
+            path = tmp_path_factory.mktemp(f"lm_{name}") / "model.so"
+            compile_model(model, out=path)
+            _COMPILED[name] = (model, path)
+        return _COMPILED[name]
+    return get

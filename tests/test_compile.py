@@ -20,12 +20,8 @@ CONFIGS = {"hla2": dict(), "ahla": dict(asymmetric=True),
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def compiled(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16, **CONFIGS[request.param]).eval()
-    path = tmp_path_factory.mktemp(request.param) / "model.so"
-    compile_model(model, out=path)
-    return model, path
+def compiled(request, compiled_lm):
+    return compiled_lm(request.param, **CONFIGS[request.param])
 
 
 def _torch_logits(model, tokens, state=None):

@@ -9,8 +9,6 @@ import torch
 
 from conftest import make_qkv, rel_err
 from hla_tvm import hla
-from hla_tvm.compiler import compile as compile_model
-from hla_tvm.models import HLALM
 from hla_tvm.reference import hla2
 from hla_tvm.runtime import load
 
@@ -18,11 +16,8 @@ VOCAB, THREADS, STEPS = 40, 4, 2000
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("threads") / "model.so"
-    compile_model(HLALM(VOCAB, 32, 2, 4, chunk_size=16).eval(), out=path)
-    return path
+def model_path(compiled_lm):
+    return compiled_lm("hla2")[1]
 
 
 def _generate(m, seed, steps):
