@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import validate
+from .operators import state_dtype
 from .reference._common import fold
 
 BACKENDS = ("tvm", "torch")
@@ -37,10 +38,10 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     To stream tokens use `decode_`, which advances the state in place at about the cost of the
     kernel; `hla` copies the state first (the caller's is left as it was).
     """
-    if backend == "tvm" and attention_mask is None and isinstance(q, torch.Tensor) and \
-            q.dim() == 4 and q.shape[2] == 1 and isinstance(return_state, bool):
+    if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
+            and isinstance(return_state, bool):
         step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
-                         decay, target, chunk_size)
+                         decay, attention_mask, target, chunk_size)
         if step is not None:
             return step if return_state else step[0]
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
@@ -72,14 +73,21 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     return (out, new_state) if return_state else out
 
 
-def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-              chunk_size):
-    """(o, new state) of one token through `decode_`'s plan, on a private copy of the state;
-    None when an argument needs the full checks of `hla` (which then explain it)."""
+def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, mask,
+              target, chunk_size):
+    """(o, new state) of one token through `decode_`'s plan (the one place that picks and calls
+    the decode kernels), on a private copy of the state; None when an argument needs the full
+    checks of `hla` (which then explain it)."""
     from .decode import _plan
 
     validate.integer("chunk_size", chunk_size, low=1)
     plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+    if mask is not None:
+        if decay is not None:
+            return None   # refused by `_tvm`
+        # a padded token is a zero token: the undecayed state stays, the output is zero
+        mask = validate.attention_mask(mask, q.shape[0], 1)
+        q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
     if state is None:
         st = [torch.zeros(shape, dtype=plan.acc) for shape in plan.shapes]
     else:
@@ -126,7 +134,7 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
     zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
     outputs)."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    work = state_dtype(q.dtype)
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     st = None if state is None else {n: x.to(work) for n, x in state.items()}
     if mask is not None and decay is None:
@@ -163,7 +171,7 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
             raise NotImplementedError("backend='tvm' does not support yet: attention_mask "
                                       "together with decay (backend='torch' does)")
         q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
-    acc = tvm_backend.accum_dtype(q.dtype)
+    acc = state_dtype(q.dtype)
     if state is None:
         st = op.ref.zero_state(B, H, dk, dv, acc)
     else:  # a private copy in the accumulation dtype: the kernels update it in place

@@ -3,7 +3,7 @@
 hla2 prefill:  chunk_summary -> chunk_carry (in place on the state) -> chunk_output
 ahla, hla3:    chunk_summary -> scans of the prefix sums -> chunk_cross -> scans of the
                cross-term states -> chunk_output
-decode:        one in-place state update and readout
+decode:        one in-place state update and readout (chosen and called by `decode._Plan`)
 The state is the reference's dict (S, C, m, G, h) in the accumulation dtype (float32 for float16,
 bfloat16 and float32 inputs, float64 for float64); outputs come in the input dtype."""
 from __future__ import annotations
@@ -15,15 +15,11 @@ import torch
 from . import build
 from .kernels import KERNELS, STATE_NAMES, _tir
 from .kernels import hla2 as K
+from .operators import state_dtype
 
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                 torch.float64: "float64"}
-
-
-def accum_dtype(dtype):
-    """The torch dtype of the state for inputs of torch dtype `dtype`."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _options(masked, normalize, eps, ridge, dtype):
@@ -52,12 +48,9 @@ def run(q, k, v, state, *, chunk_size, target, masked, normalize, eps, ridge):
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     opts = _options(masked, normalize, eps, ridge, q.dtype)
-    acc = accum_dtype(q.dtype)
+    acc = state_dtype(q.dtype)
     out = torch.empty(B, H, T, dv, dtype=q.dtype)
     S, C, m, G, h = (state[x] for x in ("S", "C", "m", "G", "h"))
-    if T == 1:
-        decode_module(dk, dv, target, **opts)["hla2_decode"](q, k, v, S, C, m, G, h, out)
-        return out
     mod = prefill_module(dk, dv, chunk_size, target, **opts)
     nc = math.ceil(T / chunk_size)
     e = lambda *shape: torch.empty(B, H, nc, *shape, dtype=acc)  # noqa: E731
@@ -123,12 +116,8 @@ def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, **opts):
             "dtype": TORCH_DTYPES[q.dtype]}
     out = torch.empty(B, H, T, dv, dtype=q.dtype)
     st = [state[x] for x in STATE_NAMES[name]]
-    if T == 1:
-        mod = scan_family_decode_module(name, dk, dv, target, **opts)
-        mod[f"{name}_decode"](q, k, v, gamma, *st, out)
-        return out
     mod = scan_family_prefill_module(name, dk, dv, chunk_size, target, **opts)
-    ch = _Chunks(mod, B, H, math.ceil(T / chunk_size), accum_dtype(q.dtype))
+    ch = _Chunks(mod, B, H, math.ceil(T / chunk_size), state_dtype(q.dtype))
     kk, kv, vec = (dk, dk), (dk, dv), (dk,)
     if name == "ahla":
         P, m, E, n = st

@@ -125,9 +125,6 @@ def sgemm_rate(size=2048, runs=3):
 def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", decay=None,
         chunk_size=64, repeat=5, json_path=None, out=print):
     dv = dv or dk
-    from .runtime import set_threads
-
-    set_threads(None)
     shape = dict(batch=batch, heads=heads, dk=dk, dv=dv, op=op, decay=decay,
                  threads=torch.get_num_threads())
     if mode == "decode":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import warnings
 
@@ -102,15 +101,7 @@ def _size_thread_pool():
 def _save(exe, path, tag):
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-        os.close(fd)
-        try:
-            exe.export_library(tmp)
-            libfile.seal(tmp, tag)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        libfile.export(exe, path, tag)
         return libfile.load(path, tag, what="cached kernel module")
     except OSError as err:  # read-only home, full disk: run from memory
         warnings.warn(f"hla_tvm: cannot write kernel cache {path}: {err}")

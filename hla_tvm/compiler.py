@@ -189,9 +189,6 @@ def resolve_cpu_target(target):
 def build(mod, meta, target, out):
     """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
     `target` and write the sealed library to `out` (atomically). Returns `out`."""
-    import os
-    import tempfile
-
     import tvm
 
     from . import libfile
@@ -200,16 +197,4 @@ def build(mod, meta, target, out):
     mod = _with_meta(safe_take(mod), meta)
     with target:
         exe = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
-    out = os.fspath(out)
-    folder = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        exe.export_library(tmp)
-        libfile.seal(tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    return libfile.export(exe, out)

@@ -12,14 +12,10 @@ import threading
 import torch
 
 from . import operators, validate
+from .operators import state_dtype
 
 _PLANS: dict = {}
 _LOCK = threading.Lock()
-
-
-def state_dtype(dtype):
-    """The dtype of the state (and accumulation) for inputs of torch dtype `dtype`."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2,

@@ -53,6 +53,24 @@ def seal(path, tag: bytes = NO_TAG):
         f.write(HEAD + tag + digest + TAIL)
 
 
+def export(exe, path, tag: bytes = NO_TAG):
+    """Write the library of `exe` (a TVM executable or module) to `path`, sealed with `tag`:
+    into a temporary file beside it, then renamed over `path` (never rewritten in place, which
+    would kill processes that have the old file mapped)."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        exe.export_library(tmp)
+        seal(tmp, tag)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
 def check(path, tag: bytes | None = None, what="compiled module"):
     """Raise ValueError naming `path` unless it is a whole, unmodified sealed ELF library
     (with `tag`, when given). Returns the sha256 of its image (bytes)."""

@@ -4,7 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
+
 from .reference import ahla, hla2, hla3
+
+
+def state_dtype(dtype):
+    """The torch dtype of the state (and accumulation) for inputs of torch dtype `dtype`:
+    float64 for float64, float32 for float16, bfloat16 and float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)

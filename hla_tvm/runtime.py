@@ -36,21 +36,19 @@ def _import_tvm_runtime():
 
         return tvm
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-    blocker = None
-    if "torch" not in sys.modules:
-        class _NoTorch:
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("hla_tvm.runtime keeps torch out of the runtime path")
-                return None
 
-        blocker = _NoTorch()
-        sys.meta_path.insert(0, blocker)
+    class _NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("hla_tvm.runtime keeps torch out of the runtime path")
+            return None
+
+    blocker = _NoTorch()
+    sys.meta_path.insert(0, blocker)
     try:
         import tvm
     finally:
-        if blocker is not None:
-            sys.meta_path.remove(blocker)
+        sys.meta_path.remove(blocker)
     return tvm
 
 
@@ -183,9 +181,7 @@ class CompiledModel:
                     raise ValueError(f"{path}: not a state of this model (missing entries "
                                      f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
                 arrays = [f[n] for n in names]
-        except ValueError:
-            raise
-        except FileNotFoundError:
+        except (ValueError, FileNotFoundError):
             raise
         except (OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
             raise ValueError(f"{path}: not a readable state file ({err})") from None

@@ -109,3 +109,16 @@ def test_errors_name_the_argument():
         decode_(q, k, v, init_state(B, H, DK, DV, asymmetric=True), asymmetric=True, ridge=1.0)
     with pytest.raises(ValueError, match="kv_heads=4 must divide heads=6"):
         init_state(B, H, DK, kv_heads=4)
+
+
+def test_hla_one_token_with_padding():
+    """hla() at T = 1 with attention_mask: the padded row keeps its state and outputs zeros."""
+    q, k, v = make_qkv(B, H, 1, DK, DV, seed=8, dtype=torch.float32)
+    _, st = hla(*make_qkv(B, H, 9, DK, DV, seed=9, dtype=torch.float32), return_state=True)
+    mask = torch.tensor([[1], [0]])
+    out, new = hla(q, k, v, state=st, attention_mask=mask, return_state=True)
+    want, want_st = hla2.step(*(x[:, :, 0].double() for x in (q, k, v)),
+                              {n: x.double() for n, x in st.items()})
+    assert rel_err(out[0, :, 0], want[0]) <= 1e-4 and (out[1] == 0).all()
+    for n in st:
+        assert rel_err(new[n][0], want_st[n][0]) <= 1e-4 and torch.equal(new[n][1], st[n][1])

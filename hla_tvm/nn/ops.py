@@ -15,16 +15,13 @@ from __future__ import annotations
 import torch
 
 from .. import operators
+from ..operators import state_dtype
 from ..api import hla as _hla
 
 
 def state_names(order=2, asymmetric=False):
     """The operator's state entries, in the order the custom op takes and returns them."""
     return tuple(operators.get(order, asymmetric).state_names)
-
-
-def _state_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
@@ -34,7 +31,7 @@ def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge
     out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps,
                    decay=decay, state=dict(zip(names, state)) if state else None,
                    return_state=True, backend="torch", chunk_size=chunk_size, **extra)
-    dtypes = [x.dtype for x in state] if state else [_state_dtype(q)] * len(names)
+    dtypes = [x.dtype for x in state] if state else [state_dtype(q.dtype)] * len(names)
     return out, [st[n].to(dt) for n, dt in zip(names, dtypes)]
 
 
@@ -55,7 +52,7 @@ def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, c
         return [out] + [torch.empty_like(x) for x in state]
     shapes = operators.get(order, asymmetric).state_shapes(
         q.shape[0], q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
-    return [out] + [q.new_empty(shapes[n], dtype=_state_dtype(q))
+    return [out] + [q.new_empty(shapes[n], dtype=state_dtype(q.dtype))
                     for n in state_names(order, asymmetric)]
 
 
