@@ -5,6 +5,7 @@ on stderr, `hla-tvm COMMAND: error: ...`, and exit code 2; `--debug` shows the t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # what a user can cause: bad files, targets, arguments, unsupported options
@@ -248,6 +249,9 @@ def main(argv=None):
         return 0
     try:
         return args.func(args)
+    except BrokenPipeError:   # the reader went away (`hla-tvm cache | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except EXPECTED_ERRORS as err:
         if getattr(args, "debug", False):
             raise

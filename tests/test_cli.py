@@ -114,3 +114,18 @@ def test_every_command_explains_its_flags(capsys, command):
                      "--chunk-size", "--repeat", "--json"):
             assert flag in out
         assert "(default: 8192)" in out and "(default: 5)" in out
+
+
+def test_output_cut_short_by_a_pipe_is_not_an_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for i in range(2000):
+        (cache / f"k{i}.so").write_bytes(b"x")
+    run = subprocess.run(f"{sys.executable} -m hla_tvm.cli cache | head -1", shell=True,
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, HLA_TVM_CACHE_DIR=str(cache)))
+    assert "error" not in run.stderr and "Traceback" not in run.stderr, run.stderr
