@@ -5,6 +5,7 @@ and target, plus the package and TVM versions. Batch, heads and length are symbo
 compiled module serves every B, H and T."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -25,6 +26,27 @@ def cache_dir():
     return os.path.join(base, "hla_tvm")
 
 
+_CODE_DIGEST = []
+
+
+def code_digest() -> str:
+    """sha256 over the source of the kernels and schedules (what decides the generated code),
+    so that an edited kernel or schedule rule never finds a stale cache entry."""
+    if not _CODE_DIGEST:
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for sub in ("kernels", "schedule"):
+            for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, sub))):
+                dirnames.sort()
+                for name in sorted(f for f in files if f.endswith(".py")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+        _CODE_DIGEST.append(h.hexdigest()[:16])
+    return _CODE_DIGEST[0]
+
+
 def _key_blob(spec: dict, target) -> str:
     import tvm
 
@@ -32,7 +54,8 @@ def _key_blob(spec: dict, target) -> str:
 
     # "sealed": entries carry the libfile trailer; older unsealed entries are simply not found
     return json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
-                       "tvm": tvm.__version__, "cache": "sealed"}, sort_keys=True)
+                       "code": code_digest(), "tvm": tvm.__version__, "cache": "sealed"},
+                      sort_keys=True)
 
 
 def schedule_module(mod, target):
@@ -45,7 +68,7 @@ def schedule_module(mod, target):
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
     sch = s_tir.Schedule(mod)
     for gv in mod.get_global_vars():
-        cpu.apply(sch, gv.name_hint)
+        cpu.apply(sch, gv.name_hint, target)
     return sch.mod
 
 

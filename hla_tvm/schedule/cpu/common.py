@@ -34,3 +34,26 @@ def inline_elementwise(sch, blocks, *, reverse=False):
                 progress = True
                 break
     return left
+
+
+def own_loops(sch, block):
+    """The loops that enclose `block` and no other block (innermost last)."""
+    own = []
+    for loop in reversed(sch.get_loops(block)):
+        if len(sch.get_child_blocks(loop)) != 1:
+            break
+        own.append(loop)
+    return own[::-1]
+
+
+def writes_alone(sch, block):
+    """True when no other block under the root writes the buffers `block` writes (a reduction's
+    init can then be split off)."""
+    me = sch.get(block)
+    mine = [r.source for r in me.writes]
+    for other in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(other).same_as(me):
+            continue
+        if any(r.source.same_as(b) for r in sch.get(other).writes for b in mine):
+            return False
+    return True

@@ -126,7 +126,7 @@ class MatmulTiles(dl.ScheduleRule):
         if ii is not None and rows_ext is None:
             # a symbolic row count: whole tiles, then one predicated tail
             sch.annotate(io, "pragma_loop_partition_hint", 1)
-        acc = sch.cache_write(block, 0, "local")
+        acc = sch.cache_write(block, 0, "global")  # small: a stack array LLVM keeps in registers
         sch.reverse_compute_at(acc, io)
         epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
                     if not b.same_as(block) and not b.same_as(acc)]

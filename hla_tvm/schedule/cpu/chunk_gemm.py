@@ -1,0 +1,72 @@
+"""Rule: a register-tiled micro-kernel for every GEMM-shaped block of a chunk kernel.
+
+For a block C[.., i, j] += A[.., i, r] * B[.., r, j] (i, j static; r the one reduction) the
+block's own loops become
+    i_outer, j_outer, r, i_inner (unrolled, ROWS), j_inner (vectorized, COLS)
+with the ROWS x COLS tile of C in registers, its init in front of the r loop and its write-back
+behind it. The tile is a small buffer of scope "global": TVM places those (under 1 kB) on the
+stack, where LLVM promotes them to registers once unrolling makes every index constant; a
+"local" buffer would come from the workspace allocator and be stored to memory every step.
+COLS is two vector registers wide where that divides j (one otherwise); ROWS the largest divisor
+of i's extent within the target's accumulator budget (`tile`)."""
+from __future__ import annotations
+
+import tvm
+
+from .common import COMM_REDUCE, DATA_PAR, own_loops, static_extent, writes_alone
+
+# accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the
+# rest hold the B row segment and the broadcast A element
+ACCUMULATORS = {16: 24, 8: 12, 4: 12}
+
+
+def tile(rows_ext, cols_ext, lanes):
+    """(ROWS, COLS) of the register tile for a rows_ext x cols_ext output, `lanes` floats per
+    vector register; None when the columns do not split into whole vectors."""
+    cols = next((c for c in (2 * lanes, lanes) if cols_ext % c == 0), None)
+    if cols is None:
+        return None
+    budget = ACCUMULATORS.get(lanes, 12) // (cols // lanes)
+    rows = max(r for r in range(1, min(budget, rows_ext) + 1) if rows_ext % r == 0)
+    return rows, cols
+
+
+def gemm_loops(sch, block):
+    """(spatial loops, reduction loop) of a GEMM-shaped block's own loops, or None."""
+    loops = own_loops(sch, block)
+    iters = sch.get(block).iter_vars[-len(loops):] if loops else []
+    kinds = [iv.iter_type for iv in iters]
+    if kinds.count(COMM_REDUCE) != 1 or any(k not in (DATA_PAR, COMM_REDUCE) for k in kinds):
+        return None
+    spatial = [lp for lp, k in zip(loops, kinds) if k == DATA_PAR]
+    if len(spatial) < 2 or sch.get(block).init is None:
+        return None
+    return spatial, loops[kinds.index(COMM_REDUCE)]
+
+
+def chunk_gemm(sch, func_name, lanes=8):
+    """Tile every GEMM-shaped block of `func_name` (see the module docstring); `lanes`: float32
+    elements per vector register of the target."""
+    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+        found = gemm_loops(sch, block)
+        if found is None or not writes_alone(sch, block):
+            continue
+        (*lead, i, j), r = found
+        ie, je = static_extent(sch, i), static_extent(sch, j)
+        bits = tvm.DataType(sch.get(block).writes[0].source.dtype).bits
+        shape = tile(ie, je, max(1, lanes * 32 // bits)) if ie and je else None
+        if shape is None:
+            continue
+        rows, cols = shape
+        io, ii = sch.split(i, factors=[None, rows])
+        jo, ji = sch.split(j, factors=[None, cols])
+        sch.reorder(*lead, io, jo, r, ii, ji)
+        acc = sch.cache_write(block, 0, "global")
+        sch.reverse_compute_at(acc, jo)
+        *rows_loops, ac = own_loops(sch, acc)   # unit loops are gone for one-row tiles
+        for lp in rows_loops:
+            sch.unroll(lp)
+        sch.vectorize(ac)
+        sch.unroll(ii)
+        sch.vectorize(ji)
+        sch.decompose_reduction(block, r)  # the init inherits the unrolled, vectorized loops
