@@ -3,7 +3,8 @@
 hla2 prefill:  chunk_summary -> chunk_carry (in place on the state) -> chunk_output
 ahla, hla3:    chunk_summary -> scans of the prefix sums -> chunk_cross -> scans of the
                cross-term states -> chunk_output
-decode:        one in-place state update and readout (chosen and called by `decode._Plan`)
+decode:        one in-place state update and readout (chosen and called by `decode._Plan`;
+               second order with or without decay shares the hla2d kernel, gamma = 1 for none)
 The state is the reference's dict (S, C, m, G, h) in the accumulation dtype (float32 for float16,
 bfloat16 and float32 inputs, float64 for float64); outputs come in the input dtype."""
 from __future__ import annotations
@@ -35,11 +36,6 @@ def prefill_module(dk, dv, chunk_size, target, **opts):
         "hla2_chunk_carry": K.chunk_carry(dk, dv, **ro),
         "hla2_chunk_output": K.chunk_output(dk, dv, chunk_size, **opts),
     }, target)
-
-
-def decode_module(dk, dv, target, **opts):
-    spec = {"kind": "hla2_decode", "dk": dk, "dv": dv, **opts}
-    return build.load_or_build(spec, lambda: {"hla2_decode": K.decode(dk, dv, **opts)}, target)
 
 
 def run(q, k, v, state, *, chunk_size, target, masked, normalize, eps, ridge):
@@ -82,7 +78,9 @@ def scan_family_prefill_module(name, dk, dv, chunk_size, target, *, dtype, **opt
     }, target)
 
 
-def scan_family_decode_module(name, dk, dv, target, *, dtype, **opts):
+def decode_module(name, dk, dv, target, *, dtype, **opts):
+    """The one-token kernel of operator `name` (ahla, hla3, hla2d; hla2d serves undecayed
+    second order too, with gamma = 1)."""
     spec = {"kind": f"{name}_decode", "dk": dk, "dv": dv, "dtype": dtype, **opts}
     return build.load_or_build(spec, lambda: {
         f"{name}_decode": KERNELS[name].decode(dk, dv, dtype=dtype, **opts)}, target)

@@ -67,17 +67,11 @@ class _Plan:
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
         opts = dict(normalize=normalize, eps=eps, dtype=backend.TORCH_DTYPES[q.dtype])
         tgt = resolve(target)
-        if op.name == "hla2" and decay is None:
+        name = "hla2d" if op.name == "hla2" else op.name    # gamma = 1 without decay
+        if op.has_mask_ridge:
             opts.update(masked=masked, ridge=ridge)
-            self.fn = backend.decode_module(dk, dv, tgt, **opts)["hla2_decode"]
-            self.gamma = None
-        else:
-            name = "hla2d" if op.name == "hla2" else op.name
-            if op.has_mask_ridge:
-                opts.update(masked=masked, ridge=ridge)
-            self.fn = backend.scan_family_decode_module(name, dk, dv, tgt, **opts)[
-                f"{name}_decode"]
-            self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
+        self.fn = backend.decode_module(name, dk, dv, tgt, **opts)[f"{name}_decode"]
+        self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
 
     def check_state(self, state):
         """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
@@ -125,10 +119,7 @@ class _Plan:
         """o [B, H, 1, Dv] after one token; the tensors of `st` advanced in place."""
         if self.group > 1:
             return self._run_grouped(q, k, v, st, out)
-        if self.gamma is None:
-            self.fn(q, k, v, *st, out)
-        else:
-            self.fn(q, k, v, self.gamma, *st, out)
+        self.fn(q, k, v, self.gamma, *st, out)
         return out
 
     def _run_grouped(self, q, k, v, st, out):
@@ -137,8 +128,7 @@ class _Plan:
         g = self.group
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         full = [x.repeat_interleave(g, 1) if kv else x for x, kv in zip(st, self.kv)]
-        args = [q, k, v] + ([] if self.gamma is None else [self.gamma]) + full + [out]
-        self.fn(*args)
+        self.fn(q, k, v, self.gamma, *full, out)
         for x, y, kv in zip(st, full, self.kv):
             if kv:
                 x.copy_(y[:, ::g])

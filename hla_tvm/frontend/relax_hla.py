@@ -61,10 +61,12 @@ def emit_hla(bb, name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     st_sh = [list(_shape(s)) for s in state]
     st_ty = [_tt(sh, acc) for sh in st_sh]
     out_ty = _tt([B, H, T, dv], dtype)
-    if decode:
-        gv = _add(bb, f"{name}_decode_{tag}",
-                  KERNELS[name].decode(dk, dv, dtype=dtype, **opts))
-        args = [q, k, v] + ([] if name == "hla2" else [gamma]) + list(state)
+    if decode:  # one kernel per operator; second order without decay: hla2d with gamma = 1
+        kname = "hla2d" if name == "hla2" else name
+        if gamma is None:
+            gamma = relax.const(np.ones(int(H), dtype=acc))
+        gv = _add(bb, f"{kname}_decode_{tag}", KERNELS[kname].decode(dk, dv, dtype=dtype, **opts))
+        args = [q, k, v, gamma] + list(state)
         first = len(args) - len(state)
         res = bb.emit(relax.call_tir_inplace(gv, args, list(range(first, len(args))) + [-1],
                                              st_ty + [out_ty]))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-# attribute of functions whose loops already carry their CPU schedule (in-place state updates)
-PRESCHEDULED = "hla_tvm.prescheduled"
+# In-place state updates X = f(X) are written as reductions over a unit axis whose init leaves X
+# as it is: s_tir then sees a reduction block (the only writer of X, reading its own output),
+# so the schedule primitives (parallel, vectorize, tiling) and auto-tuning apply to the
+# recurrent kernels as to any other; the init `X = X` compiles to nothing.
 
 IO_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -105,35 +107,19 @@ def chunk_scan(width: int, dtype="float32"):
         dX = T.match_buffer(dX_h, (B, H, NC, width), acc)
         gl = T.match_buffer(gl_h, (B, H, NC), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
-        for bh in T.parallel(B * H):
-            for c in T.serial(NC):
-                for i in T.vectorized(width):
-                    with T.sblock("scan"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vc, vi = T.axis.remap("SS", [c, i])
-                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
-                        X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
+        for b, h in T.grid(B, H):
+            for c, i in T.grid(NC, width):
+                with T.sblock("record"):
+                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                    Xc[vb, vh, vc, vi] = X[vb, vh, vi]
+                with T.sblock("advance"):
+                    vu = T.axis.reduce(1, 0)   # in place (see the note at the top)
+                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                    with T.init():
+                        X[vb, vh, vi] = X[vb, vh, vi]
+                    X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
 
-    return scan.with_attr(PRESCHEDULED, True)
-
-
-@T.macro
-def load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv):
-    """qa, ka, va = the (b, h) = divmod(bh, H) token of q, k, v in the accumulation dtype."""
-    for i in T.vectorized(dk):
-        with T.sblock("qk"):
-            vb = T.axis.spatial(B, bh // H)
-            vh = T.axis.spatial(H, bh % H)
-            vi = T.axis.spatial(dk, i)
-            qa[vi] = T.Cast(qa.dtype, q[vb, vh, 0, vi])
-            ka[vi] = T.Cast(ka.dtype, k[vb, vh, 0, vi])
-    for j in T.vectorized(dv):
-        with T.sblock("va"):
-            vb = T.axis.spatial(B, bh // H)
-            vh = T.axis.spatial(H, bh % H)
-            vj = T.axis.spatial(dv, j)
-            va[vj] = T.Cast(va.dtype, v[vb, vh, 0, vj])
+    return scan
 
 
 @T.macro
@@ -152,28 +138,75 @@ def decay_weights(tail, gl, g, b, hh, c, n, L):
 
 
 @T.macro
-def decay_outer(X, g, a, bv, y, x, bh, B, H, rows, cols, name):
-    """X[b, h] = g[h] X[b, h] + a b^T, then y += x^T X[b, h] (the updated X); (b, h) from bh."""
-    for i in T.serial(rows):
-        for j in T.vectorized(cols):
-            with T.sblock(name):
-                vb = T.axis.spatial(B, bh // H)
-                vh = T.axis.spatial(H, bh % H)
-                vi, vj = T.axis.remap("SS", [i, j])
-                X[vb, vh, vi, vj] = g[vh] * X[vb, vh, vi, vj] + a[vi] * bv[vj]
-                y[vj] = y[vj] + x[vi] * X[vb, vh, vi, vj]
+def load_token(qa, ka, va, q, k, v, b, h, dk, dv):
+    """qa, ka, va = the (b, h) token of q, k, v [B, H, 1, .] in the accumulation dtype."""
+    for i in T.serial(dk):
+        with T.sblock("qk"):
+            vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+            qa[vi] = T.Cast(qa.dtype, q[vb, vh, 0, vi])
+            ka[vi] = T.Cast(ka.dtype, k[vb, vh, 0, vi])
+    for j in T.serial(dv):
+        with T.sblock("va"):
+            vb, vh, vj = T.axis.remap("SSS", [b, h, j])
+            va[vj] = T.Cast(va.dtype, v[vb, vh, 0, vj])
 
 
 @T.macro
-def decay_axpy(X, g, a, scale, y, x, bh, B, H, rows, name):
-    """X[b, h] = g[h] X[b, h] + scale a, then y[0] += x . X[b, h] (the updated X)."""
+def update_outer(X, g, a, bv, b, h, rows, cols, name):
+    """X[b, h] = g[h] X[b, h] + a bv^T, in place."""
+    for i, j in T.grid(rows, cols):
+        with T.sblock(name):
+            vu = T.axis.reduce(1, 0)   # in place (see the note at the top)
+            vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+            with T.init():
+                X[vb, vh, vi, vj] = X[vb, vh, vi, vj]
+            X[vb, vh, vi, vj] = g[vh] * X[vb, vh, vi, vj] + a[vi] * bv[vj]
+
+
+@T.macro
+def update_axpy(X, g, a, scale, b, h, rows, name):
+    """X[b, h] = g[h] X[b, h] + scale a, in place."""
     for i in T.serial(rows):
         with T.sblock(name):
-            vb = T.axis.spatial(B, bh // H)
-            vh = T.axis.spatial(H, bh % H)
-            vi = T.axis.spatial(rows, i)
+            vu = T.axis.reduce(1, 0)   # in place (see the note at the top)
+            vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+            with T.init():
+                X[vb, vh, vi] = X[vb, vh, vi]
             X[vb, vh, vi] = g[vh] * X[vb, vh, vi] + scale * a[vi]
+
+
+@T.macro
+def vecmat(y, x, X, b, h, rows, cols, name):
+    """y[j] = sum_i x[i] X[b, h, i, j]."""
+    for i, j in T.grid(rows, cols):
+        with T.sblock(name):
+            vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+            with T.init():
+                y[vj] = const(0, y.dtype)
+            y[vj] = y[vj] + x[vi] * X[vb, vh, vi, vj]
+
+
+@T.macro
+def vecdot(y, x, X, b, h, rows, init, name):
+    """y[0] = init + sum_i x[i] X[b, h, i]."""
+    for i in T.serial(rows):
+        with T.sblock(name):
+            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+            with T.init():
+                y[0] = init
             y[0] = y[0] + x[vi] * X[vb, vh, vi]
+
+
+@T.macro
+def write_token(o, num, den, b, h, dv, normalize):
+    """o[b, h, 0] = num (/ den[0] when normalize) in o's dtype."""
+    for j in T.serial(dv):
+        with T.sblock("o"):
+            vb, vh, vj = T.axis.remap("SSS", [b, h, j])
+            if normalize:
+                o[vb, vh, 0, vj] = T.Cast(o.dtype, num[vj] / den[0])
+            else:
+                o[vb, vh, 0, vj] = T.Cast(o.dtype, num[vj])
 
 
 @T.macro

@@ -18,14 +18,16 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
-    load_token as _load_token, decay_axpy as _decay_axpy, \
-    decay_outer as _decay_outer, const, gpow, matmul as _matmul, matvec as _matvec, \
-    stage as _stage, transpose as _transpose
+from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
+    update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
+    vecmat as _vecmat, write_token as _write_token, const, gpow, matmul as _matmul, \
+    matvec as _matvec, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
-    """One token, state (P, m, E, n) [B, H, ...] updated in place; gamma [H]."""
+    """One token, state (P, m, E, n) [B, H, ...] updated in place; gamma [H]:
+    P = gP + k v^T, m = gm + k, E = gE + k (q^T P), n = gn + (q.m) k (P, m after the token);
+    o = q^T E [/ (q.n + eps)]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
@@ -43,38 +45,26 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
         E = T.match_buffer(E_h, (B, H, dk, dv), acc)
         n = T.match_buffer(n_h, (B, H, dk), acc)
         o = T.match_buffer(o_h, (B, H, 1, dv), io)
-        for bh in T.parallel(B * H):
+        for b, h in T.grid(B, H):
             qa = T.alloc_buffer((dk,), acc)
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
             qP = T.alloc_buffer((dv,), acc)
             num = T.alloc_buffer((dv,), acc)
-            sc0 = T.alloc_buffer((1,), acc)
+            qm = T.alloc_buffer((1,), acc)
             den = T.alloc_buffer((1,), acc)
-            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
-            for j in T.vectorized(dv):
-                with T.sblock("zero_dv"):
-                    vj = T.axis.spatial(dv, j)
-                    qP[vj] = _c(0)
-                    num[vj] = _c(0)
-            with T.sblock("scalars"):
-                sc0[0] = _c(0)
-                den[0] = _c(eps)
-            _decay_outer(P, g, ka, va, qP, qa, bh, B, H, dk, dv, "P")        # qP = q^T P
-            _decay_axpy(m, g, ka, _c(1), sc0, qa, bh, B, H, dk, "m")        # sc0 = q.m
-            _decay_outer(E, g, ka, qP, num, qa, bh, B, H, dk, dv, "E")      # num = q^T E
-            _decay_axpy(n, g, ka, sc0[0], den, qa, bh, B, H, dk, "n")       # den = q.n + eps
-            for j in T.vectorized(dv):
-                with T.sblock("o"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vj = T.axis.spatial(dv, j)
-                    if normalize:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / den[0])
-                    else:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _update_outer(P, g, ka, va, b, h, dk, dv, "P")
+            _vecmat(qP, qa, P, b, h, dk, dv, "qP")
+            _update_axpy(m, g, ka, _c(1), b, h, dk, "m")
+            _vecdot(qm, qa, m, b, h, dk, _c(0), "qm")
+            _update_outer(E, g, ka, qP, b, h, dk, dv, "E")
+            _vecmat(num, qa, E, b, h, dk, dv, "num")
+            _update_axpy(n, g, ka, qm[0], b, h, dk, "n")
+            _vecdot(den, qa, n, b, h, dk, _c(eps), "den")
+            _write_token(o, num, den, b, h, dv, normalize)
 
-    return ahla_decode.with_attr(PRESCHEDULED, True)
+    return ahla_decode
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):

@@ -2,9 +2,9 @@
 
 Each builder returns an s_tir PrimFunc; batch B, heads H, length T and the chunk count NC are
 symbolic, head sizes and the chunk size are fixed at build time. The functions mirror
-`hla_tvm.reference.hla2` and are composed by `hla_tvm.ops`:
+`hla_tvm.reference.hla2` and are composed by `hla_tvm.backend` (one token: `hla2_decay.decode`
+with gamma = 1):
 
-    decode             one token, state (S, C, m, G, h) updated in place        == reference.step
     chunk_summary      per chunk c:  dS = K^T K, dC = Q^T V, dm = Q^T 1,
                        dX = K^T (((K Q^T) * U) V), dr = K^T (((K Q^T) * U) 1)    (U: j <= s)
     chunk_carry        sequential over chunks, in place on the state: records the readout
@@ -21,121 +21,8 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, load_token as _load_token, const, matmul as _matmul, matvec as _matvec, stage as _stage, \
+from ._tir import accum_dtype, const, matmul as _matmul, matvec as _matvec, stage as _stage, \
     transpose as _transpose
-
-
-def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, dtype="float32"):
-    """o = q^T((S'+lI) C' - G') [/ (q^T((S'+lI) m' - h') + eps)], with the state updated in place:
-    G += k (k^T C), h += k (k^T m), S += k k^T, C += q v^T, m += q   (C, m read before the update).
-    Shapes: q, k [B, H, 1, dk], v [B, H, 1, dv], o [B, H, 1, dv].
-
-    In-place updates do not satisfy s_tir's dataflow checks, so the CPU schedule (parallel over
-    batch*heads, vectorized rows) is written into the loops here."""
-    io, acc = dtype, accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
-    msk = 1.0 if masked else 0.0
-
-    @T.prim_func(s_tir=True)
-    def hla2_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, S_h: T.handle, C_h: T.handle,
-                    m_h: T.handle, G_h: T.handle, h_h: T.handle, o_h: T.handle):
-        B = T.int64()
-        H = T.int64()
-        q = T.match_buffer(q_h, (B, H, 1, dk), io)
-        k = T.match_buffer(k_h, (B, H, 1, dk), io)
-        v = T.match_buffer(v_h, (B, H, 1, dv), io)
-        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
-        C = T.match_buffer(C_h, (B, H, dk, dv), acc)
-        m = T.match_buffer(m_h, (B, H, dk), acc)
-        G = T.match_buffer(G_h, (B, H, dk, dv), acc)
-        h = T.match_buffer(h_h, (B, H, dk), acc)
-        o = T.match_buffer(o_h, (B, H, 1, dv), io)
-        for bh in T.parallel(B * H):
-            kC = T.alloc_buffer((dv,), acc)
-            u = T.alloc_buffer((dk,), acc)
-            num = T.alloc_buffer((dv,), acc)
-            km = T.alloc_buffer((1,), acc)
-            den = T.alloc_buffer((1,), acc)
-            qa = T.alloc_buffer((dk,), acc)
-            ka = T.alloc_buffer((dk,), acc)
-            va = T.alloc_buffer((dv,), acc)
-            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
-            with T.sblock("scalars0"):
-                km[0] = _c(0)
-                den[0] = _c(eps)
-            for j in T.vectorized(dv):
-                with T.sblock("zero_dv"):
-                    vj = T.axis.spatial(dv, j)
-                    kC[vj] = _c(0)
-                    num[vj] = _c(0)
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("kC"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("RS", [i, j])
-                        kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
-            for i in T.serial(dk):
-                with T.sblock("km"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.reduce(dk, i)
-                    km[0] = km[0] + ka[vi] * m[vb, vh, vi]
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("upd_CG"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + ka[vi] * kC[vj]
-                        C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + qa[vi] * va[vj]
-                for j in T.vectorized(dk):
-                    with T.sblock("upd_S"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + ka[vi] * ka[vj]
-            for i in T.vectorized(dk):
-                with T.sblock("upd_mh"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    h[vb, vh, vi] = h[vb, vh, vi] + ka[vi] * km[0]
-                    m[vb, vh, vi] = m[vb, vh, vi] + qa[vi]
-                    u[vi] = _c(ridge) * qa[vi]
-            for l in T.serial(dk):
-                for i in T.vectorized(dk):
-                    with T.sblock("u"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vl, vi = T.axis.remap("RS", [l, i])
-                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("num"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("RS", [i, j])
-                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
-                            - _c(msk) * qa[vi] * G[vb, vh, vi, vj]
-            if normalize:
-                for i in T.serial(dk):
-                    with T.sblock("den"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi = T.axis.reduce(dk, i)
-                        den[0] = den[0] + u[vi] * m[vb, vh, vi] - _c(msk) * qa[vi] * h[vb, vh, vi]
-            for j in T.vectorized(dv):
-                with T.sblock("o"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vj = T.axis.spatial(dv, j)
-                    if normalize:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / den[0])
-                    else:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
-
-    return hla2_decode.with_attr(PRESCHEDULED, True)
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
@@ -206,8 +93,8 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
     Before chunk c it records the chunk's readout: Sc[c] = S and
         masked:   Xc[c] = (S + lI) C - G,  rc[c] = (S + lI) m - h
         unmasked: Xc[c] = C,               rc[c] = m
-    then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h.
-    The schedule (parallel over batch*heads, vectorized rows) is written into the loops."""
+    then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h
+    (X, r start from the state's G, h and give them back at the end)."""
     acc = accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
@@ -230,131 +117,87 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
         C = T.match_buffer(C_h, (B, H, dk, dv), acc)
         m = T.match_buffer(m_h, (B, H, dk), acc)
         G = T.match_buffer(G_h, (B, H, dk, dv), acc)
-        h = T.match_buffer(h_h, (B, H, dk), acc)
+        h_ = T.match_buffer(h_h, (B, H, dk), acc)
         Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
         rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
-        for bh in T.parallel(B * H):
+        for b, h in T.grid(B, H):
             X = T.alloc_buffer((dk, dv), acc)
             r = T.alloc_buffer((dk,), acc)
-            # X = S C - G, r = S m - h
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("X0_init"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
+            for i, j, l in T.grid(dk, dv, dk):
+                with T.sblock("X0"):    # X = S C - G
+                    vb, vh, vi, vj, vl = T.axis.remap("SSSSR", [b, h, i, j, l])
+                    with T.init():
                         X[vi, vj] = _c(0) - G[vb, vh, vi, vj]
-                with T.sblock("r0_init"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    r[vi] = _c(0) - h[vb, vh, vi]
-                for l in T.serial(dk):
-                    for j in T.vectorized(dv):
-                        with T.sblock("X0"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vi, vl, vj = T.axis.remap("SRS", [i, l, j])
-                            X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
-                    with T.sblock("r0"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vl = T.axis.remap("SR", [i, l])
-                        r[vi] = r[vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+                    X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+            for i, l in T.grid(dk, dk):
+                with T.sblock("r0"):    # r = S m - h
+                    vb, vh, vi, vl = T.axis.remap("SSSR", [b, h, i, l])
+                    with T.init():
+                        r[vi] = _c(0) - h_[vb, vh, vi]
+                    r[vi] = r[vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
             for c in T.serial(NC):
-                # record the chunk's readout
+                for i, j in T.grid(dk, dk):
+                    with T.sblock("Sc"):
+                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
+                        Sc[vb, vh, vc, vi, vj] = S[vb, vh, vi, vj]
+                for i, j in T.grid(dk, dv):
+                    with T.sblock("Xc"):
+                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
+                        Xc[vb, vh, vc, vi, vj] = _c(msk) * X[vi, vj] \
+                            + _c(lam * msk + 1.0 - msk) * C[vb, vh, vi, vj]
                 for i in T.serial(dk):
-                    for j in T.vectorized(dk):
-                        with T.sblock("Sc"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                            Sc[vb, vh, vc, vi, vj] = S[vb, vh, vi, vj]
-                    for j in T.vectorized(dv):
-                        with T.sblock("Xc"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                            Xc[vb, vh, vc, vi, vj] = _c(msk) * X[vi, vj] \
-                                + _c(lam * msk + 1.0 - msk) * C[vb, vh, vi, vj]
                     with T.sblock("rc"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vc, vi = T.axis.remap("SS", [c, i])
+                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
                         rc[vb, vh, vc, vi] = _c(msk) * r[vi] \
                             + _c(lam * msk + 1.0 - msk) * m[vb, vh, vi]
-                # X += S dC + dX, r += S dm + dr
-                for i in T.serial(dk):
-                    for j in T.vectorized(dv):
-                        with T.sblock("X_dX"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                for i, j, l in T.grid(dk, dv, dk):
+                    with T.sblock("X"):     # X += dX + S dC
+                        vb, vh, vc, vi, vj, vl = T.axis.remap("SSSSSR", [b, h, c, i, j, l])
+                        with T.init():
                             X[vi, vj] = X[vi, vj] + dX[vb, vh, vc, vi, vj]
-                    with T.sblock("r_dr"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vc, vi = T.axis.remap("SS", [c, i])
-                        r[vi] = r[vi] + dr[vb, vh, vc, vi]
-                    for l in T.serial(dk):
-                        for j in T.vectorized(dv):
-                            with T.sblock("X"):
-                                vb = T.axis.spatial(B, bh // H)
-                                vh = T.axis.spatial(H, bh % H)
-                                vc, vi, vl, vj = T.axis.remap("SSRS", [c, i, l, j])
-                                X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * dC[vb, vh, vc, vl, vj]
-                        with T.sblock("r"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vl = T.axis.remap("SSR", [c, i, l])
-                            r[vi] = r[vi] + S[vb, vh, vi, vl] * dm[vb, vh, vc, vl]
-                # S += dS, C += dC, m += dm
+                        X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * dC[vb, vh, vc, vl, vj]
+                for i, l in T.grid(dk, dk):
+                    with T.sblock("r"):     # r += dr + S dm
+                        vb, vh, vc, vi, vl = T.axis.remap("SSSSR", [b, h, c, i, l])
+                        with T.init():
+                            r[vi] = r[vi] + dr[vb, vh, vc, vi]
+                        r[vi] = r[vi] + S[vb, vh, vi, vl] * dm[vb, vh, vc, vl]
+                for i, j in T.grid(dk, dk):
+                    with T.sblock("S"):
+                        vu = T.axis.reduce(1, 0)   # in place (see _tir)
+                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
+                        with T.init():
+                            S[vb, vh, vi, vj] = S[vb, vh, vi, vj]
+                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + dS[vb, vh, vc, vi, vj]
+                for i, j in T.grid(dk, dv):
+                    with T.sblock("C"):
+                        vu = T.axis.reduce(1, 0)
+                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
+                        with T.init():
+                            C[vb, vh, vi, vj] = C[vb, vh, vi, vj]
+                        C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + dC[vb, vh, vc, vi, vj]
                 for i in T.serial(dk):
-                    for j in T.vectorized(dk):
-                        with T.sblock("S"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                            S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + dS[vb, vh, vc, vi, vj]
-                    for j in T.vectorized(dv):
-                        with T.sblock("C"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                            C[vb, vh, vi, vj] = C[vb, vh, vi, vj] + dC[vb, vh, vc, vi, vj]
                     with T.sblock("m"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vc, vi = T.axis.remap("SS", [c, i])
+                        vu = T.axis.reduce(1, 0)
+                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                        with T.init():
+                            m[vb, vh, vi] = m[vb, vh, vi]
                         m[vb, vh, vi] = m[vb, vh, vi] + dm[vb, vh, vc, vi]
-            # G = S C - X, h = S m - r
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("G_init"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
+            for i, j, l in T.grid(dk, dv, dk):
+                with T.sblock("G"):     # G = S C - X
+                    vb, vh, vi, vj, vl = T.axis.remap("SSSSR", [b, h, i, j, l])
+                    with T.init():
                         G[vb, vh, vi, vj] = _c(0) - X[vi, vj]
-                with T.sblock("h_init"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    h[vb, vh, vi] = _c(0) - r[vi]
-                for l in T.serial(dk):
-                    for j in T.vectorized(dv):
-                        with T.sblock("G"):
-                            vb = T.axis.spatial(B, bh // H)
-                            vh = T.axis.spatial(H, bh % H)
-                            vi, vl, vj = T.axis.remap("SRS", [i, l, j])
-                            G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
-                    with T.sblock("h"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vl = T.axis.remap("SR", [i, l])
-                        h[vb, vh, vi] = h[vb, vh, vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+                    G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+            for i, l in T.grid(dk, dk):
+                with T.sblock("h"):     # h = S m - r
+                    vb, vh, vi, vl = T.axis.remap("SSSR", [b, h, i, l])
+                    with T.init():
+                        h_[vb, vh, vi] = _c(0) - r[vi]
+                    h_[vb, vh, vi] = h_[vb, vh, vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
 
-    return hla2_chunk_carry.with_attr(PRESCHEDULED, True)
+    return hla2_chunk_carry
 
 
 def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, dtype="float32"):

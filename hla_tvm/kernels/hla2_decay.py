@@ -23,15 +23,17 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
-    load_token as _load_token, chunk_len, const, gpow, matmul as _matmul, matvec as _matvec, \
-    stage as _stage, transpose as _transpose
+from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
+    update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
+    vecmat as _vecmat, write_token as _write_token, chunk_len, const, gpow, matmul as _matmul, \
+    matvec as _matvec, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
            dtype="float32"):
     """G = gG + k (k^T C), h = gh + k (k^T m) (C, m before the token), S = gS + k k^T,
-    C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]."""
+    C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]
+    (without the G, h terms when unmasked). gamma [H]: ones for no decay."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     mk = 1.0 if masked else 0.0
@@ -49,88 +51,47 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
         C = T.match_buffer(C_h, (B, H, dk, dv), acc)
         m = T.match_buffer(m_h, (B, H, dk), acc)
         G = T.match_buffer(G_h, (B, H, dk, dv), acc)
-        h = T.match_buffer(h_h, (B, H, dk), acc)
+        h_ = T.match_buffer(h_h, (B, H, dk), acc)
         o = T.match_buffer(o_h, (B, H, 1, dv), io)
-        for bh in T.parallel(B * H):
+        for b, h in T.grid(B, H):
             qa = T.alloc_buffer((dk,), acc)
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
             kC = T.alloc_buffer((dv,), acc)
+            km = T.alloc_buffer((1,), acc)
             u = T.alloc_buffer((dk,), acc)
             num = T.alloc_buffer((dv,), acc)
-            sc = T.alloc_buffer((2,), acc)  # k.m (before), denominator
-            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
-            for j in T.vectorized(dv):
-                with T.sblock("zero_dv"):
-                    vj = T.axis.spatial(dv, j)
-                    kC[vj] = _c(0)
-                    num[vj] = _c(0)
-            with T.sblock("sc0"):
-                sc[0] = _c(0)
-                sc[1] = _c(eps)
+            den = T.alloc_buffer((1,), acc)
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _vecmat(kC, ka, C, b, h, dk, dv, "kC")
+            _vecdot(km, ka, m, b, h, dk, _c(0), "km")
+            _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
+            _update_outer(C, g, qa, va, b, h, dk, dv, "C")
+            _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
+            _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
+            _update_axpy(m, g, qa, _c(1), b, h, dk, "m")
+            for l, i in T.grid(dk, dk):
+                with T.sblock("u"):     # u = (S + lI) q  (S symmetric)
+                    vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
+                    with T.init():
+                        u[vi] = _c(ridge) * qa[vi]
+                    u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
+            for i, j in T.grid(dk, dv):
+                with T.sblock("num"):   # u^T C - q^T G
+                    vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+                    with T.init():
+                        num[vj] = _c(0)
+                    num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
+                        - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
             for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("kC"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("RS", [i, j])
-                        kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
-                with T.sblock("km"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.reduce(dk, i)
-                    sc[0] = sc[0] + ka[vi] * m[vb, vh, vi]
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("CG"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        G[vb, vh, vi, vj] = g[vh] * G[vb, vh, vi, vj] + ka[vi] * kC[vj]
-                        C[vb, vh, vi, vj] = g[vh] * C[vb, vh, vi, vj] + qa[vi] * va[vj]
-                for j in T.vectorized(dk):
-                    with T.sblock("S"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        S[vb, vh, vi, vj] = g[vh] * S[vb, vh, vi, vj] + ka[vi] * ka[vj]
-                with T.sblock("mh"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.spatial(dk, i)
-                    h[vb, vh, vi] = g[vh] * h[vb, vh, vi] + ka[vi] * sc[0]
-                    m[vb, vh, vi] = g[vh] * m[vb, vh, vi] + qa[vi]
-                    u[vi] = _c(ridge) * qa[vi]
-            for l in T.serial(dk):
-                for i in T.vectorized(dk):
-                    with T.sblock("u"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vl, vi = T.axis.remap("RS", [l, i])
-                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
-            for i in T.serial(dk):
-                for j in T.vectorized(dv):
-                    with T.sblock("num"):
-                        vb = T.axis.spatial(B, bh // H)
-                        vh = T.axis.spatial(H, bh % H)
-                        vi, vj = T.axis.remap("RS", [i, j])
-                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
-                with T.sblock("den"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vi = T.axis.reduce(dk, i)
-                    sc[1] = sc[1] + u[vi] * m[vb, vh, vi] - _c(mk) * qa[vi] * h[vb, vh, vi]
-            for j in T.vectorized(dv):
-                with T.sblock("o"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vj = T.axis.spatial(dv, j)
-                    if normalize:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / sc[1])
-                    else:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
+                with T.sblock("den"):   # u.m - q.h + eps
+                    vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+                    with T.init():
+                        den[0] = _c(eps)
+                    den[0] = den[0] + u[vi] * m[vb, vh, vi] - _c(mk) * qa[vi] * h_[vb, vh, vi]
+            _write_token(o, num, den, b, h, dv, normalize)
 
-    return hla2d_decode.with_attr(PRESCHEDULED, True)
+    return hla2d_decode
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):

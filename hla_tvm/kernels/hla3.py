@@ -24,14 +24,16 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import PRESCHEDULED, accum_dtype, decay_weights as _decay_weights, \
-    load_token as _load_token, decay_axpy as _decay_axpy, \
-    decay_outer as _decay_outer, const, gpow, matmul as _matmul, matvec as _matvec, \
-    stage as _stage, transpose as _transpose
+from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
+    update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
+    vecmat as _vecmat, write_token as _write_token, const, gpow, matmul as _matmul, \
+    matvec as _matvec, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
-    """One token, state (S, P, m, F, eta) [B, H, ...] updated in place; gamma [H]."""
+    """One token, state (S, P, m, F, eta) [B, H, ...] updated in place; gamma [H]:
+    S = gS + k k^T, P = gP + k v^T, m = gm + k, F = gF + (S q)(q^T P), eta = g eta + (q.m) S q
+    (S, P, m after the token); o = q^T F [/ (q.eta + eps)]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
@@ -51,44 +53,29 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
         F = T.match_buffer(F_h, (B, H, dk, dv), acc)
         eta = T.match_buffer(eta_h, (B, H, dk), acc)
         o = T.match_buffer(o_h, (B, H, 1, dv), io)
-        for bh in T.parallel(B * H):
+        for b, h in T.grid(B, H):
             qa = T.alloc_buffer((dk,), acc)
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
             Sq = T.alloc_buffer((dk,), acc)
             qP = T.alloc_buffer((dv,), acc)
             num = T.alloc_buffer((dv,), acc)
-            sc0 = T.alloc_buffer((1,), acc)
+            qm = T.alloc_buffer((1,), acc)
             den = T.alloc_buffer((1,), acc)
-            _load_token(qa, ka, va, q, k, v, bh, B, H, dk, dv)
-            for i in T.vectorized(dk):
-                with T.sblock("zero_dk"):
-                    vi = T.axis.spatial(dk, i)
-                    Sq[vi] = _c(0)
-            for j in T.vectorized(dv):
-                with T.sblock("zero_dv"):
-                    vj = T.axis.spatial(dv, j)
-                    qP[vj] = _c(0)
-                    num[vj] = _c(0)
-            with T.sblock("scalars"):
-                sc0[0] = _c(0)
-                den[0] = _c(eps)
-            _decay_outer(S, g, ka, ka, Sq, qa, bh, B, H, dk, dk, "S")      # Sq = S q (S = S^T)
-            _decay_outer(P, g, ka, va, qP, qa, bh, B, H, dk, dv, "P")      # qP = q^T P
-            _decay_axpy(m, g, ka, _c(1), sc0, qa, bh, B, H, dk, "m")      # sc0 = q.m
-            _decay_outer(F, g, Sq, qP, num, qa, bh, B, H, dk, dv, "F")    # num = q^T F
-            _decay_axpy(eta, g, Sq, sc0[0], den, qa, bh, B, H, dk, "eta")  # den = q.eta + eps
-            for j in T.vectorized(dv):
-                with T.sblock("o"):
-                    vb = T.axis.spatial(B, bh // H)
-                    vh = T.axis.spatial(H, bh % H)
-                    vj = T.axis.spatial(dv, j)
-                    if normalize:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj] / den[0])
-                    else:
-                        o[vb, vh, 0, vj] = T.Cast(io, num[vj])
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
+            _vecmat(Sq, qa, S, b, h, dk, dk, "Sq")      # S q = q^T S (S symmetric)
+            _update_outer(P, g, ka, va, b, h, dk, dv, "P")
+            _vecmat(qP, qa, P, b, h, dk, dv, "qP")
+            _update_axpy(m, g, ka, _c(1), b, h, dk, "m")
+            _vecdot(qm, qa, m, b, h, dk, _c(0), "qm")
+            _update_outer(F, g, Sq, qP, b, h, dk, dv, "F")
+            _vecmat(num, qa, F, b, h, dk, dv, "num")
+            _update_axpy(eta, g, Sq, qm[0], b, h, dk, "eta")
+            _vecdot(den, qa, eta, b, h, dk, _c(eps), "den")
+            _write_token(o, num, den, b, h, dv, normalize)
 
-    return hla3_decode.with_attr(PRESCHEDULED, True)
+    return hla3_decode
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):

@@ -3,8 +3,6 @@ from .chunk_gemm import chunk_gemm
 from .parallel_outer import parallel_outer
 from .vectorize_inner import vectorize_inner
 
-from ...kernels._tir import PRESCHEDULED
-
 
 def _lanes(target):
     import tvm
@@ -21,8 +19,6 @@ def apply(sch, func_name, target=None):
     (batch, head, chunk) loops in parallel, register-tiled GEMM blocks for `target`'s vector
     width (the current or host target when None), the other innermost loops vectorized."""
     sch.work_on(func_name)
-    if sch.mod[func_name].attrs.get(PRESCHEDULED, False):
-        return sch
     parallel_outer(sch, func_name)
     chunk_gemm(sch, func_name, _lanes(target))
     vectorize_inner(sch, func_name)

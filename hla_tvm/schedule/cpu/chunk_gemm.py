@@ -44,12 +44,27 @@ def gemm_loops(sch, block):
     return spatial, loops[kinds.index(COMM_REDUCE)]
 
 
+def _read_before(sch, block, blocks):
+    """True when a block ahead of `block` reads what it writes (the tile's cache write would
+    reorder a write after that read)."""
+    me = sch.get(block)
+    mine = [r.source for r in me.writes]
+    for other in blocks:
+        stmt = sch.get(other)
+        if stmt.same_as(me):
+            return False
+        if any(r.source.same_as(b) for r in stmt.reads for b in mine):
+            return True
+    return False
+
+
 def chunk_gemm(sch, func_name, lanes=8):
     """Tile every GEMM-shaped block of `func_name` (see the module docstring); `lanes`: float32
     elements per vector register of the target."""
-    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+    blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
+    for block in blocks:
         found = gemm_loops(sch, block)
-        if found is None or not writes_alone(sch, block):
+        if found is None or not writes_alone(sch, block) or _read_before(sch, block, blocks):
             continue
         (*lead, i, j), r = found
         ie, je = static_extent(sch, i), static_extent(sch, j)
