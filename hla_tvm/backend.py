@@ -38,6 +38,36 @@ def prefill_module(dk, dv, chunk_size, target, **opts):
     }, target)
 
 
+# Scratch (per-chunk summaries and records) a prefill call may hold: longer inputs run in
+# consecutive segments, each advancing the state in place, so memory does not grow with T.
+SCRATCH_BYTES = 128 << 20
+
+
+def segment_tokens(B, H, dk, dv, chunk_size, acc):
+    """Tokens per segment: whole chunks whose scratch (at most 12 dk x max(dk, dv) accumulation
+    values per chunk and head, the widest operator's) fits in SCRATCH_BYTES; at least one."""
+    per_chunk = B * H * 12 * dk * max(dk, dv) * (torch.finfo(acc).bits // 8)
+    return chunk_size * max(1, SCRATCH_BYTES // per_chunk)
+
+
+def _segmented(q, k, v, chunk_size, chain):
+    """o [B, H, T, dv]: chain(q, k, v, o) on the whole input, or on consecutive segments of
+    `segment_tokens` (each continuing the state the one before left)."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(B, H, T, dv, dtype=q.dtype)
+    seg = segment_tokens(B, H, dk, dv, chunk_size, state_dtype(q.dtype))
+    if T <= seg:
+        chain(q, k, v, out)
+        return out
+    for start in range(0, T, seg):
+        end = min(T, start + seg)
+        part = torch.empty(B, H, end - start, dv, dtype=q.dtype)
+        chain(*(x[:, :, start:end].contiguous() for x in (q, k, v)), part)
+        out[:, :, start:end] = part
+    return out
+
+
 def run(q, k, v, state, *, chunk_size, target, masked, normalize, eps, ridge):
     """Outputs [B, H, T, dv] for contiguous q, k, v (one floating dtype); `state` (accumulation
     dtype, contiguous, owned by the caller) is advanced in place past the T tokens."""
@@ -45,17 +75,19 @@ def run(q, k, v, state, *, chunk_size, target, masked, normalize, eps, ridge):
     dv = v.shape[-1]
     opts = _options(masked, normalize, eps, ridge, q.dtype)
     acc = state_dtype(q.dtype)
-    out = torch.empty(B, H, T, dv, dtype=q.dtype)
     S, C, m, G, h = (state[x] for x in ("S", "C", "m", "G", "h"))
     mod = prefill_module(dk, dv, chunk_size, target, **opts)
-    nc = math.ceil(T / chunk_size)
-    e = lambda *shape: torch.empty(B, H, nc, *shape, dtype=acc)  # noqa: E731
-    dS, dC, dm, dX, dr = e(dk, dk), e(dk, dv), e(dk), e(dk, dv), e(dk)
-    Sc, Xc, rc = e(dk, dk), e(dk, dv), e(dk)
-    mod["hla2_chunk_summary"](q, k, v, dS, dC, dm, dX, dr)
-    mod["hla2_chunk_carry"](dS, dC, dm, dX, dr, S, C, m, G, h, Sc, Xc, rc)
-    mod["hla2_chunk_output"](q, k, v, Sc, Xc, rc, out)
-    return out
+
+    def chain(q, k, v, out):
+        nc = math.ceil(q.shape[2] / chunk_size)
+        e = lambda *shape: torch.empty(B, H, nc, *shape, dtype=acc)  # noqa: E731
+        dS, dC, dm, dX, dr = e(dk, dk), e(dk, dv), e(dk), e(dk, dv), e(dk)
+        Sc, Xc, rc = e(dk, dk), e(dk, dv), e(dk)
+        mod["hla2_chunk_summary"](q, k, v, dS, dC, dm, dX, dr)
+        mod["hla2_chunk_carry"](dS, dC, dm, dX, dr, S, C, m, G, h, Sc, Xc, rc)
+        mod["hla2_chunk_output"](q, k, v, Sc, Xc, rc, out)
+
+    return _segmented(q, k, v, chunk_size, chain)
 
 
 def _scans(widths, dtype):
@@ -112,9 +144,16 @@ def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, **opts):
     dv = v.shape[-1]
     opts = {**{n: (float(x) if n in ("eps", "ridge") else bool(x)) for n, x in opts.items()},
             "dtype": TORCH_DTYPES[q.dtype]}
-    out = torch.empty(B, H, T, dv, dtype=q.dtype)
     st = [state[x] for x in STATE_NAMES[name]]
     mod = scan_family_prefill_module(name, dk, dv, chunk_size, target, **opts)
+    return _segmented(q, k, v, chunk_size, lambda q, k, v, out: _scan_family_chain(
+        name, mod, q, k, v, gamma, st, out, chunk_size))
+
+
+def _scan_family_chain(name, mod, q, k, v, gamma, st, out, chunk_size):
+    """summary -> scans of the prefix sums -> cross -> scans of the cross states -> output."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
     ch = _Chunks(mod, B, H, math.ceil(T / chunk_size), state_dtype(q.dtype))
     kk, kv, vec = (dk, dk), (dk, dv), (dk,)
     if name == "ahla":
@@ -145,4 +184,3 @@ def run_scan_family(name, q, k, v, gamma, state, *, chunk_size, target, **opts):
         mod["hla3_chunk_cross"](Sc, Pc, mc, A1, A2, a2, A3, A4, a4, gl, dP, dm)  # ddF, ddeta
         Fc, etac = ch.scan(F, dP, gl), ch.scan(eta, dm, gl)
         mod["hla3_chunk_output"](q, k, v, gamma, Sc, Pc, mc, Fc, etac, out)
-    return out

@@ -115,6 +115,28 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size):
     return cases
 
 
+def _proc_status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {key} in /proc/self/status")
+
+
+def peak_rss_growth(fn):
+    """Bytes by which this process's peak resident memory grows over one call of fn (Linux,
+    which resets the peak through /proc/self/clear_refs); None where that is unavailable.
+    Memory the allocator kept from earlier calls and hands out again is not counted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_status_bytes("VmRSS")
+        fn()
+        return max(0, _proc_status_bytes("VmHWM") - before)
+    except OSError:
+        return None
+
+
 def sgemm_rate(size=2048, runs=3):
     """This machine's float32 matmul rate (GFLOP/s) through torch, best of `runs`."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -138,6 +160,8 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     for name, fn in cases.items():
         med, best = _measure(fn, repeat, number)
         results[name] = {"median_s": med, "min_s": best, "runs": repeat}
+        if mode == "prefill":
+            results[name]["peak_bytes"] = peak_rss_growth(fn)
     extra = {}
     if mode == "prefill":
         extra["sgemm_gflops"] = sgemm_rate()
@@ -166,15 +190,19 @@ def _table(report, out):
     out(f"hla-tvm bench {report['mode']}: {what}, {size}; {m['cpu']} ({m['cores']} cores, "
         f"{m['isa']}), median of {next(iter(res.values()))['runs']} runs")
     ref = res["tvm"]["median_s"]
-    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}")
+    peak = report["mode"] == "prefill"
+    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}" + (f"{'peak mem':>12}" if peak else ""))
     for name, r in res.items():
+        mem = r.get("peak_bytes")
         out(f"{name:<16}{_fmt(r['median_s']):>12}{_fmt(r['min_s']):>12}"
-            f"{r['median_s'] / ref:>9.2f}x")
+            f"{r['median_s'] / ref:>9.2f}x" +
+            ((f"{mem / 2 ** 20:>9.1f} MB" if mem is not None else f"{'n/a':>12}") if peak else ""))
     if "sgemm_gflops" in report:
         line = f"sgemm {report['sgemm_gflops']:.0f} GFLOP/s"
         if "tvm_gflops" in report:
             line += (f"; tvm kernels {report['tvm_gflops']:.0f} GFLOP/s "
                      f"({report['tvm_gflops'] / report['sgemm_gflops']:.0%} of sgemm)")
         out(line)
-    out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster)")
+    out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +
+        ("; peak mem: growth of the resident set over one call)" if peak else ")"))
 
