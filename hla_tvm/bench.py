@@ -19,10 +19,11 @@ import torch
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 
 
-def _measure(fn, runs, number=1):
-    """(median, min) seconds per call over `runs` timed runs of `number` calls, after warm-up."""
+def _measure(fn, runs, number=1, probe=None):
+    """(median, min) seconds per call over `runs` timed runs of `number` calls, after warm-up
+    (two calls; the second through `probe(fn)` when given, as `peak_rss_growth` does)."""
     fn()
-    fn()
+    (probe or (lambda f: f()))(fn)
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -158,10 +159,12 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         number = 1
     results = {}
     for name, fn in cases.items():
-        med, best = _measure(fn, repeat, number)
+        peak = []   # prefill: the second warm-up call measures the memory too
+        probe = (lambda f: peak.append(peak_rss_growth(f))) if mode == "prefill" else None
+        med, best = _measure(fn, repeat, number, probe)
         results[name] = {"median_s": med, "min_s": best, "runs": repeat}
-        if mode == "prefill":
-            results[name]["peak_bytes"] = peak_rss_growth(fn)
+        if peak:
+            results[name]["peak_bytes"] = peak[0]
     extra = {}
     if mode == "prefill":
         extra["sgemm_gflops"] = sgemm_rate()
@@ -191,7 +194,8 @@ def _table(report, out):
         f"{m['isa']}), median of {next(iter(res.values()))['runs']} runs")
     ref = res["tvm"]["median_s"]
     peak = report["mode"] == "prefill"
-    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}" + (f"{'peak mem':>12}" if peak else ""))
+    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}"
+        + (f"{'peak mem':>12}" if peak else ""))
     for name, r in res.items():
         mem = r.get("peak_bytes")
         out(f"{name:<16}{_fmt(r['median_s']):>12}{_fmt(r['min_s']):>12}"

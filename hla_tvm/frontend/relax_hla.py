@@ -55,16 +55,14 @@ def emit_hla(bb, name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     dk, dv = int(dk), int(dv)
     acc = _tir.accum_dtype(dtype)
     tag = _tag({"dtype": dtype, "chunk": chunk, **opts})
-    if name != "hla2" and gamma is None:
-        gamma = relax.const(np.ones(int(H), dtype=acc))
     decode = isinstance(T, IntImm) and int(T) == 1
+    if gamma is None and (decode or name != "hla2"):   # every kernel but hla2's prefill takes it
+        gamma = relax.const(np.ones(int(H), dtype=acc))
     st_sh = [list(_shape(s)) for s in state]
     st_ty = [_tt(sh, acc) for sh in st_sh]
     out_ty = _tt([B, H, T, dv], dtype)
     if decode:  # one kernel per operator; second order without decay: hla2d with gamma = 1
         kname = "hla2d" if name == "hla2" else name
-        if gamma is None:
-            gamma = relax.const(np.ones(int(H), dtype=acc))
         gv = _add(bb, f"{kname}_decode_{tag}", KERNELS[kname].decode(dk, dv, dtype=dtype, **opts))
         args = [q, k, v, gamma] + list(state)
         first = len(args) - len(state)

@@ -210,6 +210,26 @@ def write_token(o, num, den, b, h, dv, normalize):
 
 
 @T.macro
+def cross_step(P, m, E, n, g, qa, ka, va, x, o, b, h, dk, dv, eps, normalize):
+    """One token of the recurrence AHLA and third order share, state updated in place:
+    P = gP + k v^T, m = gm + k, E = gE + x (q^T P), n = gn + (q.m) x (P, m after the token);
+    o = q^T E [/ (q.n + eps)]. AHLA: x = k; third order: x = S q (E = F, n = eta)."""
+    qP = T.alloc_buffer((dv,), P.dtype)
+    num = T.alloc_buffer((dv,), P.dtype)
+    qm = T.alloc_buffer((1,), P.dtype)
+    den = T.alloc_buffer((1,), P.dtype)
+    update_outer(P, g, ka, va, b, h, dk, dv, "P")
+    vecmat(qP, qa, P, b, h, dk, dv, "qP")
+    update_axpy(m, g, ka, const(1, P.dtype), b, h, dk, "m")
+    vecdot(qm, qa, m, b, h, dk, const(0, P.dtype), "qm")
+    update_outer(E, g, x, qP, b, h, dk, dv, "E")
+    vecmat(num, qa, E, b, h, dk, dv, "num")
+    update_axpy(n, g, x, qm[0], b, h, dk, "n")
+    vecdot(den, qa, n, b, h, dk, const(eps, P.dtype), "den")
+    write_token(o, num, den, b, h, dv, normalize)
+
+
+@T.macro
 def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name):
     """dst[i] = sum_r a[i, r] x[r] for one chunk (a[r, i] when a_transposed)."""
     for i, r in T.grid(rows, red):

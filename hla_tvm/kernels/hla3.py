@@ -24,10 +24,9 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
-    update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
-    vecmat as _vecmat, write_token as _write_token, const, gpow, matmul as _matmul, \
-    matvec as _matvec, stage as _stage, transpose as _transpose
+from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
+    load_token as _load_token, update_outer as _update_outer, vecmat as _vecmat, const, gpow, \
+    matmul as _matmul, matvec as _matvec, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
@@ -35,7 +34,6 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
     S = gS + k k^T, P = gP + k v^T, m = gm + k, F = gF + (S q)(q^T P), eta = g eta + (q.m) S q
     (S, P, m after the token); o = q^T F [/ (q.eta + eps)]."""
     io, acc = dtype, accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def hla3_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, S_h: T.handle,
@@ -58,22 +56,10 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
             Sq = T.alloc_buffer((dk,), acc)
-            qP = T.alloc_buffer((dv,), acc)
-            num = T.alloc_buffer((dv,), acc)
-            qm = T.alloc_buffer((1,), acc)
-            den = T.alloc_buffer((1,), acc)
             _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
             _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
             _vecmat(Sq, qa, S, b, h, dk, dk, "Sq")      # S q = q^T S (S symmetric)
-            _update_outer(P, g, ka, va, b, h, dk, dv, "P")
-            _vecmat(qP, qa, P, b, h, dk, dv, "qP")
-            _update_axpy(m, g, ka, _c(1), b, h, dk, "m")
-            _vecdot(qm, qa, m, b, h, dk, _c(0), "qm")
-            _update_outer(F, g, Sq, qP, b, h, dk, dv, "F")
-            _vecmat(num, qa, F, b, h, dk, dv, "num")
-            _update_axpy(eta, g, Sq, qm[0], b, h, dk, "eta")
-            _vecdot(den, qa, eta, b, h, dk, _c(eps), "den")
-            _write_token(o, num, den, b, h, dv, normalize)
+            _cross_step(P, m, F, eta, g, qa, ka, va, Sq, o, b, h, dk, dv, eps, normalize)
 
     return hla3_decode
 

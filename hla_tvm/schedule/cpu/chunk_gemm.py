@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import tvm
 
-from .common import COMM_REDUCE, DATA_PAR, own_loops, static_extent, writes_alone
+from .common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, \
+    writes_alone
 
 # accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the
 # rest hold the B row segment and the broadcast A element
@@ -34,8 +35,7 @@ def tile(rows_ext, cols_ext, lanes):
 def gemm_loops(sch, block):
     """(spatial loops, reduction loop) of a GEMM-shaped block's own loops, or None."""
     loops = own_loops(sch, block)
-    iters = sch.get(block).iter_vars[-len(loops):] if loops else []
-    kinds = [iv.iter_type for iv in iters]
+    kinds = loop_iter_types(sch, block, loops)
     if kinds.count(COMM_REDUCE) != 1 or any(k not in (DATA_PAR, COMM_REDUCE) for k in kinds):
         return None
     spatial = [lp for lp, k in zip(loops, kinds) if k == DATA_PAR]

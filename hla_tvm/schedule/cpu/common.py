@@ -36,6 +36,24 @@ def inline_elementwise(sch, blocks, *, reverse=False):
     return left
 
 
+def loop_iter_types(sch, block, loops):
+    """For each of `loops`, the type (DATA_PAR, COMM_REDUCE, ...) of the one iterator of `block`
+    whose binding uses that loop's variable; None when no iterator or several do. (An in-place
+    update's unit reduction axis is bound to no loop, so it never shows up here.)"""
+    from tvm.tirx.analysis import undefined_vars
+    from tvm_ffi import get_global_func
+
+    realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
+    iters = realize.block.iter_vars
+    types = []
+    for loop in loops:
+        var = sch.get(loop).loop_var
+        hits = [iv.iter_type for iv, value in zip(iters, realize.iter_values)
+                if any(u.same_as(var) for u in undefined_vars(value))]
+        types.append(hits[0] if len(hits) == 1 else None)
+    return types
+
+
 def own_loops(sch, block):
     """The loops that enclose `block` and no other block (innermost last)."""
     own = []

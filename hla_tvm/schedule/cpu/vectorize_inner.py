@@ -5,7 +5,7 @@ a row sum, a GEMM `chunk_gemm` left alone) has its reduction loops moved outside
 data-parallel loop, which is vectorized, and its init split off in front of them."""
 from tvm.tirx import ForKind
 
-from .common import COMM_REDUCE, DATA_PAR, own_loops, writes_alone
+from .common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, writes_alone
 
 
 def vectorize_inner(sch, func_name):
@@ -13,9 +13,9 @@ def vectorize_inner(sch, func_name):
         loops = own_loops(sch, block)
         if not loops or sch.get(loops[-1]).kind == ForKind.VECTORIZED:
             continue  # no own loops, or already scheduled (chunk_gemm)
-        iters = sch.get(block).iter_vars[-len(loops):]
-        spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type == DATA_PAR]
-        reduce_ = [lp for lp, iv in zip(loops, iters) if iv.iter_type == COMM_REDUCE]
+        kinds = loop_iter_types(sch, block, loops)
+        spatial = [lp for lp, k in zip(loops, kinds) if k == DATA_PAR]
+        reduce_ = [lp for lp, k in zip(loops, kinds) if k == COMM_REDUCE]
         if not spatial:
             continue
         if reduce_:
