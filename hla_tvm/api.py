@@ -102,7 +102,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
             y = x.to(plan.acc)
             st.append(y.clone() if y is x and x.is_contiguous() else y.contiguous())
     out = torch.empty(plan.out_shape, dtype=plan.dtype)
-    plan.run(q.contiguous(), k.contiguous(), v.contiguous(), st, out)
+    plan.run(*(validate.aligned(x.contiguous()) for x in (q, k, v)), st, out)
     return out, dict(zip(plan.names, st))
 
 
@@ -161,6 +161,7 @@ def _zero_padding(x, mask):
 
 def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
     from . import backend as tvm_backend
+    from .kernels import chains
     from .reference._common import gamma
     from .target import resolve
 
@@ -177,11 +178,8 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
     else:  # a private copy in the accumulation dtype: the kernels update it in place
         st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if op.name == "hla2" and decay is None:
-        out = tvm_backend.run(q, k, v, st, chunk_size=chunk_size, target=resolve(target), **opts)
-    else:
-        g = gamma(decay, q.to(acc))[0].contiguous()
-        name = "hla2d" if op.name == "hla2" else op.name
-        out = tvm_backend.run_scan_family(name, q, k, v, g, st, chunk_size=chunk_size,
-                                          target=resolve(target), **opts)
+    fam = chains.family(op.name, decayed=decay is not None, decode=False)
+    g = gamma(decay, torch.empty(1, H, 0, dtype=acc))[0].contiguous()
+    out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=resolve(target),
+                              **tvm_backend.kernel_options(q.dtype, **opts))
     return out, st

@@ -60,16 +60,13 @@ def _key_blob(spec: dict, target) -> str:
 
 def schedule_module(mod, target):
     """Apply the default schedule of the target's kind to every function of `mod`."""
-    from tvm import s_tir
+    import tvm
 
     from .schedule import cpu
 
     if target.kind.name != "llvm":
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
-    sch = s_tir.Schedule(mod)
-    for gv in mod.get_global_vars():
-        cpu.apply(sch, gv.name_hint, target)
-    return sch.mod
+    return tvm.IRModule({gv: cpu.scheduled(mod[gv], target) for gv in mod.get_global_vars()})
 
 
 def load_or_build(spec: dict, make_funcs, target):

@@ -13,6 +13,7 @@ import torch
 
 from . import operators, validate
 from .operators import state_dtype
+from .validate import ALIGN, aligned
 
 _PLANS: dict = {}
 _LOCK = threading.Lock()
@@ -43,6 +44,7 @@ class _Plan:
 
     def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
         from . import backend
+        from .kernels import chains
         from .reference._common import gamma
         from .target import resolve
 
@@ -65,12 +67,13 @@ class _Plan:
         self.out_shape = torch.Size((B, H, 1, dv))
         self.dtype, self.ndim = q.dtype, q.dim()
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
-        opts = dict(normalize=normalize, eps=eps, dtype=backend.TORCH_DTYPES[q.dtype])
-        tgt = resolve(target)
-        name = "hla2d" if op.name == "hla2" else op.name    # gamma = 1 without decay
+        opts = dict(normalize=normalize, eps=eps)
         if op.has_mask_ridge:
             opts.update(masked=masked, ridge=ridge)
-        self.fn = backend.decode_module(name, dk, dv, tgt, **opts)[f"{name}_decode"]
+        chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
+        mod = backend.module(chain, dk, dv, resolve(target),
+                             **backend.kernel_options(q.dtype, **opts))
+        self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
 
     def check_state(self, state):
@@ -85,7 +88,7 @@ class _Plan:
         for name, shape in zip(self.names, self.shapes):
             x = state.get(name)
             if type(x) is not torch.Tensor or x.shape != shape or x.dtype != self.acc or \
-                    not x.is_contiguous() or not x.is_cpu:
+                    not x.is_contiguous() or not x.is_cpu or x.data_ptr() % ALIGN:
                 self._explain(name, x, shape)
             out.append(x)
         return out
@@ -104,12 +107,18 @@ class _Plan:
                             f"updated in place), got {x.dtype}")
         if x.device.type != "cpu":
             raise ValueError(f"state[{name!r}] must be a CPU tensor, got {x.device}")
-        raise ValueError(f"state[{name!r}] must be contiguous (it is updated in place)")
+        if not x.is_contiguous():
+            raise ValueError(f"state[{name!r}] must be contiguous (it is updated in place)")
+        raise ValueError(f"state[{name!r}] must start at a {ALIGN}-byte aligned address (it is "
+                         f"updated in place); this one is a view at an odd offset: pass a copy "
+                         f"(.clone()) or a tensor from init_state")
 
     def check_out(self, out):
         if type(out) is not torch.Tensor or out.dtype != self.dtype or \
-                out.numel() != self.out_shape.numel() or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {self.dtype} tensor of "
+                out.numel() != self.out_shape.numel() or not out.is_contiguous() or \
+                out.data_ptr() % ALIGN:
+            raise ValueError(f"out must be a contiguous, {ALIGN}-byte aligned {self.dtype} "
+                             f"tensor of "
                              f"{list(self.out_shape)} (or [B, H, Dv]), got "
                              f"{getattr(out, 'dtype', type(out).__name__)} "
                              f"{tuple(getattr(out, 'shape', ()))}")
@@ -175,13 +184,16 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
         ok = len(state) == len(plan.names)
     except (KeyError, TypeError):
         ok = False
-    if not ok or plan.group > 1:   # the kernels see repeated copies of a grouped state
-        st = plan.check_state(state)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if not ok or plan.group > 1 or \
+            any(type(x) is torch.Tensor and x.data_ptr() % ALIGN for x in st):
+        st = plan.check_state(state)   # (grouped: the kernels see repeated copies)
+    q, k, v = aligned(q.contiguous()), aligned(k.contiguous()), aligned(v.contiguous())
     if plan.ndim == 3:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     o = torch.empty(plan.out_shape, dtype=plan.dtype) if out is None else \
         (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) else out
+    if out is not None and o.data_ptr() % ALIGN:
+        plan.check_out(out)
     try:
         # the compiled function checks every argument's shape, dtype, layout and device before
         # it writes anything; its complaint is explained below

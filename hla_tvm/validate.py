@@ -6,6 +6,17 @@ import numbers
 import torch
 
 
+# The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
+# aligned vector instructions: a tensor that starts elsewhere (a view at an odd offset) is copied
+# on the way in (`aligned`), and a state or output updated in place is refused.
+ALIGN = 64
+
+
+def aligned(x):
+    """x when its data is ALIGN-byte aligned, else an aligned contiguous copy."""
+    return x if x.data_ptr() % ALIGN == 0 else x.clone(memory_format=torch.contiguous_format)
+
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

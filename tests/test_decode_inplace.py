@@ -74,6 +74,32 @@ def test_non_contiguous_tokens_are_fine():
     assert torch.equal(a, b)
 
 
+def _odd_view(x):
+    """A contiguous copy of x that starts 4 bytes past an aligned address (a view into a larger
+    buffer), which the compiled kernels' aligned vector loads must never see."""
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]
+    flat.copy_(x.reshape(-1))
+    return flat.view(x.shape)
+
+
+def test_tensors_at_odd_addresses_are_copied_or_refused():
+    """Inputs at odd offsets give the same result as aligned ones (no crash); a state or `out`
+    updated in place at an odd offset is refused with a clear error."""
+    q, k, v = make_qkv(B, H, 1, DK, DV, seed=6, dtype=torch.float32)
+    st = init_state(B, H, DK, DV)
+    want = decode_(q, k, v, init_state(B, H, DK, DV))
+    got = decode_(*(_odd_view(x) for x in (q, k, v)), st)
+    assert got.data_ptr() % 64 == 0 and torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"state\['C'\] must start at a 64-byte aligned"):
+        decode_(q, k, v, _bad(st, "C", _odd_view(st["C"])))
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        decode_(q, k, v, st, out=_odd_view(torch.empty(B, H, 1, DV)))
+    qs, ks, vs = make_qkv(B, H, 37, DK, DV, seed=7)
+    ref = hla(qs, ks, vs, backend="torch")
+    odd = hla(*(_odd_view(x.float()) for x in (qs, ks, vs)), chunk_size=16)
+    assert rel_err(odd, ref) <= 1e-4
+
+
 def _bad(state, name, value):
     bad = dict(state)
     bad[name] = value

@@ -76,11 +76,12 @@ def test_long_inputs_run_in_segments(op, decay, monkeypatch):
     """With the scratch budget cut to one chunk, a prefill runs chunk by chunk in segments (the
     state carried in place between them) and still equals the float64 serial recurrence."""
     from hla_tvm import backend
+    from hla_tvm.kernels import chains
 
     ref, kw = OPS[op]
     q, k, v = make_qkv(1, 2, 70, 8, 4, seed=5)
     monkeypatch.setattr(backend, "SCRATCH_BYTES", 1)
-    assert backend.segment_tokens(1, 2, 8, 4, 16, torch.float32) == 16
+    assert backend.segment_tokens(chains.prefill("hla3"), 1, 2, 8, 4, 16, torch.float32) == 16
     out, st = hla(q.float(), k.float(), v.float(), decay=decay, return_state=True,
                   chunk_size=16, **kw)
     want, want_st = ref.serial(q, k, v, decay=decay)

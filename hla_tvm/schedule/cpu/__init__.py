@@ -1,4 +1,8 @@
-"""Default CPU schedule rules, one per module; `apply` runs them in order on every function."""
+"""Default CPU schedule rules, one per module; `apply` runs them in order on a function of a
+schedule, `scheduled` on one PrimFunc (remembered per process: the eager kernels and every
+compiled model that holds the same kernel share one scheduling)."""
+import threading
+
 from .chunk_gemm import chunk_gemm
 from .parallel_outer import parallel_outer
 from .vectorize_inner import vectorize_inner
@@ -23,3 +27,31 @@ def apply(sch, func_name, target=None):
     chunk_gemm(sch, func_name, _lanes(target))
     vectorize_inner(sch, func_name)
     return sch
+
+
+_SCHEDULED: dict = {}
+_LOCK = threading.Lock()
+
+
+def scheduled(func, target=None):
+    """`func` (a PrimFunc) with every default CPU rule applied for `target` (as `apply`). Kernels
+    equal up to their global_symbol are scheduled once per process and vector width."""
+    import tvm
+    import tvm_ffi
+    from tvm import s_tir
+
+    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
+    plain = func.with_attr("global_symbol", "main")
+    key = (tvm_ffi.structural_hash(plain), _lanes(target))
+    with _LOCK:
+        hits = _SCHEDULED.get(key, ())
+    for before, after in hits:
+        if tvm_ffi.structural_equal(before, plain):
+            break
+    else:
+        sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
+        apply(sch, "main", target)
+        before, after = plain, sch.mod["main"]
+        with _LOCK:
+            _SCHEDULED[key] = _SCHEDULED.get(key, ()) + ((before, after),)
+    return after if name is None else after.with_attr("global_symbol", name)

@@ -1,0 +1,163 @@
+"""The kernel chain of every HLA operator, stated once.
+
+A chain is the sequence of kernel calls of one prefill or one decode step: which kernel, which
+tensors it reads, which state entries it advances in place and which new tensors it writes.
+`hla_tvm.backend` runs a chain on torch tensors (eager calls of the compiled kernels) and
+`hla_tvm.frontend.relax_hla` emits it as Relax calls inside a compiled model, so a change of
+kernels is made here only.
+
+Kernel families: hla2 (second order, undecayed prefill: one-product carry), hla2d (second order
+with decay; its decode also serves undecayed second order with gamma = 1), ahla, hla3.
+
+    hla2 prefill     summary -> carry (in place on the state) -> output
+    hla2d, ahla,     summary -> scans of the prefix sums -> cross -> scans of the cross-term
+    hla3 prefill     states -> output
+    decode           one in-place state update and readout
+
+Reads name the inputs q, k, v, gamma ([H] decay, ones for none), the state entries (the
+reference's names) and earlier writes; a kernel takes its reads in order, then its writes.
+Kinds of written buffers: per (batch, head, chunk) "kk" [Dk, Dk], "kv" [Dk, Dv], "k" [Dk],
+"1" (one value), in the accumulation dtype; "o" is the output [B, H, T, Dv] in the input dtype.
+A "scan" call (`_tir.chunk_scan`) sees its state [B, H, width] and its increments and record
+[B, H, NC, width] flattened to the width of the increments' kind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import KERNELS, STATE_NAMES, _tir
+
+KIND_SHAPES = {"kk": lambda dk, dv: (dk, dk), "kv": lambda dk, dv: (dk, dv),
+               "k": lambda dk, dv: (dk,), "1": lambda dk, dv: ()}
+
+
+@dataclass(frozen=True)
+class Call:
+    kernel: str         # summary | carry | cross | output | scan | decode
+    reads: tuple        # argument names, in the kernel's order
+    writes: tuple       # (name, kind) of the new buffers, passed after the reads
+    inplace: tuple = ()  # the state entries among `reads` that the kernel advances in place
+
+
+@dataclass(frozen=True)
+class Chain:
+    family: str
+    calls: tuple
+
+    @property
+    def state_names(self):
+        return STATE_NAMES[self.family]
+
+    @property
+    def takes_gamma(self):
+        return any("gamma" in c.reads for c in self.calls)
+
+    def kinds(self):
+        """{buffer name: kind} of every write."""
+        return {name: kind for c in self.calls for name, kind in c.writes}
+
+
+def _scan(x, dx, kind):
+    """Advance state entry x in place by the per-chunk increments dx; xc records x per chunk."""
+    return Call("scan", (x, dx, "gl"), ((x + "c", kind),), inplace=(x,))
+
+
+_PREFILL = {
+    "hla2": (
+        Call("summary", ("q", "k", "v"),
+             (("dS", "kk"), ("dC", "kv"), ("dm", "k"), ("dX", "kv"), ("dr", "k"))),
+        Call("carry", ("dS", "dC", "dm", "dX", "dr", "S", "C", "m", "G", "h"),
+             (("Sc", "kk"), ("Xc", "kv"), ("rc", "k")), inplace=("S", "C", "m", "G", "h")),
+        Call("output", ("q", "k", "v", "Sc", "Xc", "rc"), (("o", "o"),)),
+    ),
+    "hla2d": (
+        Call("summary", ("q", "k", "v", "gamma"),
+             (("dS", "kk"), ("dC", "kv"), ("dm", "k"), ("KK", "kk"), ("dG", "kv"), ("dh", "k"),
+              ("gl", "1"))),
+        _scan("S", "dS", "kk"), _scan("C", "dC", "kv"), _scan("m", "dm", "k"),
+        Call("cross", ("KK", "Cc", "mc", "dG", "dh", "gl", "gamma"),
+             (("ddG", "kv"), ("ddh", "k"))),
+        _scan("G", "ddG", "kv"), _scan("h", "ddh", "k"),
+        Call("output", ("q", "k", "v", "gamma", "Sc", "Cc", "mc", "Gc", "hc"), (("o", "o"),)),
+    ),
+    "ahla": (
+        Call("summary", ("q", "k", "v", "gamma"),
+             (("R", "kk"), ("dP", "kv"), ("dm", "k"), ("dE", "kv"), ("dn", "k"), ("gl", "1"))),
+        _scan("P", "dP", "kv"), _scan("m", "dm", "k"),
+        Call("cross", ("R", "Pc", "mc", "dE", "dn", "gl"), (("ddE", "kv"), ("ddn", "k"))),
+        _scan("E", "ddE", "kv"), _scan("n", "ddn", "k"),
+        Call("output", ("q", "k", "v", "gamma", "Ec", "Pc", "nc", "mc"), (("o", "o"),)),
+    ),
+    "hla3": (
+        Call("summary", ("q", "k", "v", "gamma"),
+             (("dS", "kk"), ("dP", "kv"), ("dm", "k"), ("A1", "kk"), ("A2", "kv"), ("a2", "k"),
+              ("A3", "kk"), ("A4", "kv"), ("a4", "k"), ("gl", "1"))),
+        _scan("S", "dS", "kk"), _scan("P", "dP", "kv"), _scan("m", "dm", "k"),
+        Call("cross", ("Sc", "Pc", "mc", "A1", "A2", "a2", "A3", "A4", "a4", "gl"),
+             (("ddF", "kv"), ("ddeta", "k"))),
+        _scan("F", "ddF", "kv"), _scan("eta", "ddeta", "k"),
+        Call("output", ("q", "k", "v", "gamma", "Sc", "Pc", "mc", "Fc", "etac"), (("o", "o"),)),
+    ),
+}
+
+
+def family(op_name, *, decayed, decode):
+    """The kernel family running operator `op_name` (hla2, ahla, hla3): second order uses hla2d
+    with decay, and for decode always (gamma = 1 without decay)."""
+    if op_name == "hla2" and (decayed or decode):
+        return "hla2d"
+    return op_name
+
+
+def prefill(fam):
+    """The chunked prefill chain of kernel family `fam`."""
+    return Chain(fam, _PREFILL[fam])
+
+
+def decode(fam):
+    """The one-token chain of kernel family `fam`: state advanced in place, output o."""
+    names = STATE_NAMES[fam]
+    return Chain(fam, (Call("decode", ("q", "k", "v", "gamma") + names, (("o", "o"),),
+                            inplace=names),))
+
+
+def scan_width(kind, dk, dv):
+    w = 1
+    for d in KIND_SHAPES[kind](dk, dv):
+        w *= d
+    return w
+
+
+def kernel_name(chain, call, dk, dv):
+    """The function name of `call` in a module holding `chain`'s kernels."""
+    if call.kernel == "scan":
+        return f"chunk_scan_w{scan_width(call.writes[0][1], dk, dv)}"
+    if call.kernel == "decode":
+        return f"{chain.family}_decode"
+    return f"{chain.family}_chunk_{call.kernel}"
+
+
+def make_kernel(chain, call, dk, dv, *, chunk, dtype, **opts):
+    """The PrimFunc of `call`; opts: normalize, eps (and masked, ridge for second order)."""
+    kmod = KERNELS[chain.family]
+    if call.kernel == "scan":
+        return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype)
+    if call.kernel == "decode":
+        return kmod.decode(dk, dv, dtype=dtype, **opts)
+    if call.kernel == "summary":
+        return kmod.chunk_summary(dk, dv, chunk, dtype=dtype)
+    if call.kernel == "carry":
+        return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype)
+    if call.kernel == "cross":
+        return kmod.chunk_cross(dk, dv, dtype=dtype)
+    return kmod.chunk_output(dk, dv, chunk, dtype=dtype, **opts)
+
+
+def kernels(chain, dk, dv, *, chunk, dtype, **opts):
+    """{function name: PrimFunc} of every kernel `chain` calls."""
+    out = {}
+    for call in chain.calls:
+        name = kernel_name(chain, call, dk, dv)
+        if name not in out:
+            out[name] = make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype, **opts)
+    return out
