@@ -62,7 +62,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         opts.update(masked=masked, ridge=ridge)
     if backend == "tvm":
         _tvm_not_yet(op, decay=decay, device=q.device)
-    k, v, state = _expand_groups(op, k, v, state, group)
+    k, v, state = _expand_groups(op, k, v, state, group, backend)
     if backend == "torch":
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
     else:
@@ -106,14 +106,17 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     return out, dict(zip(plan.names, st))
 
 
-def _expand_groups(op, k, v, state, group):
-    """Grouped key/value heads run as repeated heads; the state entries built from k, v alone
-    are stored once per key/value head and repeated here for the query heads."""
+def _expand_groups(op, k, v, state, group, backend):
+    """Grouped key/value heads: the state entries built from k, v alone are stored once per
+    key/value head and repeated here for the query heads; the compiled kernels read key/value
+    head h // group of k, v themselves, the PyTorch forms get k, v repeated."""
     if group == 1:
         return k, v, state
     if state is not None:
         state = {n: (x.repeat_interleave(group, 1) if n in op.kv_state else x)
                  for n, x in state.items()}
+    if backend == "tvm":
+        return k, v, state
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), state
 
 
@@ -128,8 +131,8 @@ def _tvm_not_yet(op, *, decay, device):
 
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
-    """The PyTorch forms: chunk form (all chunks at once for undecayed second order, else the
-    reference's chunk loop), in float64 for float64 input and float32 otherwise. The
+    """The PyTorch forms: chunk form (all chunks at once without decay, else the reference's
+    chunk loop), in float64 for float64 input and float32 otherwise. The
     serial recurrence runs instead where the chunk form cannot give the exact answer: padding
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
     zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
@@ -145,10 +148,10 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     if mask is not None or not all(bool(torch.isfinite(x).all()) for x in (qw, kw, vw)):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
-    elif op.name == "hla2" and decay is None:   # every chunk at once (`fast.chunk`)
-        from .fast.chunk import hla2_chunked
+    elif decay is None:   # every chunk at once (`fast.chunk`)
+        from .fast.chunk import CHUNKED
 
-        out, st = hla2_chunked(qw, kw, vw, chunk_size=chunk_size, state=st, **opts)
+        out, st = CHUNKED[op.name](qw, kw, vw, chunk_size=chunk_size, state=st, **opts)
     else:
         out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
     return out.to(q.dtype), st

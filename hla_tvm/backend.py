@@ -30,15 +30,17 @@ def kernel_options(dtype, *, normalize, eps, masked=None, ridge=None):
     return {**opts, "dtype": TORCH_DTYPES[dtype]}
 
 
-def module(chain, dk, dv, target, *, chunk=None, **opts):
+def module(chain, dk, dv, target, *, chunk=None, group=1, **opts):
     """The compiled module holding every kernel of `chain` (functions named by
-    `chains.kernel_name`); opts from `kernel_options`."""
+    `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`."""
     phase = "decode" if chain.calls[0].kernel == "decode" else "prefill"
     spec = {"kind": f"{chain.family}_{phase}", "dk": dk, "dv": dv, **opts}
     if chunk is not None:
         spec["chunk"] = chunk
+    if group > 1:
+        spec["group"] = group
     return build.load_or_build(
-        spec, lambda: chains.kernels(chain, dk, dv, chunk=chunk, **opts), target)
+        spec, lambda: chains.kernels(chain, dk, dv, chunk=chunk, group=group, **opts), target)
 
 
 def functions(chain, mod, dk, dv):
@@ -130,14 +132,16 @@ def run_chain(chain, fns, env, out, chunk_size):
 
 
 def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, **opts):
-    """Outputs [B, H, T, dv] of kernel family `fam` for contiguous q, k, v (one floating dtype);
+    """Outputs [B, H, T, dv] of kernel family `fam` for contiguous q [B, H, T, dk] and k, v with
+    H or H / group heads (grouped key/value heads; one floating dtype);
     gamma [H] in the accumulation dtype (None where the chain takes none); `state` (the
     reference's names, accumulation dtype, contiguous, owned by the caller) is advanced in
     place past the T tokens. opts from `kernel_options`."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
-    fns = functions(chain, module(chain, dk, dv, target, chunk=chunk_size, **opts), dk, dv)
+    mod = module(chain, dk, dv, target, chunk=chunk_size, group=q.shape[1] // k.shape[1], **opts)
+    fns = functions(chain, mod, dk, dv)
     base = {"gamma": gamma, **state}
     return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(
         chain, fns, dict(base, q=q, k=k, v=v), out, chunk_size))

@@ -4,9 +4,9 @@ measured in one process, one table with ratios (and optionally JSON).
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
          the state), torch (`fast.step`, in place), torch_compile (torch.compile of it),
          state_copy (copying the state's bytes once: the floor of a memory-bound step)
-prefill: tvm (`hla`), torch (`fast.chunk` for second order without decay, else the reference
-         chunk loop), torch_compile (of the fast form), torch_sdpa (causal softmax attention,
-         the quadratic baseline), sgemm (this machine's float32 matmul rate, GFLOP/s)"""
+prefill: tvm (`hla`), torch (`fast.chunk` without decay, else the reference chunk loop),
+         torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
+         quadratic baseline), sgemm (this machine's float32 matmul rate, GFLOP/s)"""
 from __future__ import annotations
 
 import json
@@ -98,13 +98,13 @@ def hla2_prefill_flops(B, H, T, dk, dv, n):
 
 def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size):
     from . import hla
-    from .fast.chunk import hla2_chunked
+    from .fast.chunk import CHUNKED
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, seq, dk, dv)
     cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size, **kw)}
-    if op == "hla2" and decay is None:
-        fast = lambda *a: hla2_chunked(*a, chunk_size=chunk_size)[0]  # noqa: E731
+    if decay is None:
+        fast = lambda *a: CHUNKED[op](*a, chunk_size=chunk_size)[0]  # noqa: E731
         compiled = torch.compile(fast, dynamic=False)
         cases["torch"] = lambda: fast(q, k, v)
         cases["torch_compile"] = lambda: compiled(q, k, v)

@@ -71,7 +71,7 @@ class _Plan:
         if op.has_mask_ridge:
             opts.update(masked=masked, ridge=ridge)
         chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
-        mod = backend.module(chain, dk, dv, resolve(target),
+        mod = backend.module(chain, dk, dv, resolve(target), group=H // Hkv,
                              **backend.kernel_options(q.dtype, **opts))
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
@@ -132,10 +132,10 @@ class _Plan:
         return out
 
     def _run_grouped(self, q, k, v, st, out):
-        """The kernels run every query head: k, v and the key/value-only entries are repeated,
-        and each group's first copy of the updated entries is written back in place."""
+        """The kernels run every query head (reading key/value head h // group of k, v): the
+        key/value-only entries are repeated, and each group's first copy of the updated
+        entries is written back in place."""
         g = self.group
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         full = [x.repeat_interleave(g, 1) if kv else x for x, kv in zip(st, self.kv)]
         self.fn(q, k, v, self.gamma, *full, out)
         for x, y, kv in zip(st, full, self.kv):

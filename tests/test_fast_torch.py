@@ -51,3 +51,21 @@ def test_fast_chunked_matches_quadratic_and_serial(T, chunk, opts):
     assert all(rel_err(st[n], want_st[n]) <= 1e-10 for n in st)
     fresh, _ = hla2_chunked(q, k, v, chunk_size=chunk, **opts)
     assert rel_err(fresh, hla2.quadratic(q, k, v, **opts)) <= 1e-10
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("T, chunk", [(1, 4), (37, 8), (50, 64)])
+@pytest.mark.parametrize("op", ["ahla", "hla3"])
+def test_fast_chunked_family_matches_serial(op, T, chunk, normalize):
+    """AHLA and third order with every chunk at once, from a carried state, against the
+    float64 serial recurrence (outputs and final state)."""
+    from hla_tvm.fast.chunk import CHUNKED
+
+    ref, _ = REFS[op]
+    q, k, v = make_qkv(2, 3, T, 8, 4, seed=5, positive=normalize)
+    q0, k0, v0 = make_qkv(2, 3, 7, 8, 4, seed=6, positive=normalize)
+    _, st0 = ref.serial(q0, k0, v0)
+    want, want_st = ref.serial(q, k, v, state=st0, normalize=normalize)
+    got, st = CHUNKED[op](q, k, v, chunk_size=chunk, state=st0, normalize=normalize)
+    assert rel_err(got, want) <= 1e-10
+    assert all(rel_err(st[n], want_st[n]) <= 1e-10 for n in st)

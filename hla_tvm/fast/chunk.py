@@ -1,6 +1,7 @@
-"""Second-order HLA (no decay) in the chunk form with every chunk at once: batched matrix
-products over [B, H, NC] and prefix sums over chunks, no Python loop. Same result as
-`reference.hla2.chunked` (the readable form, whose docstring derives it); differentiable."""
+"""HLA without decay in the chunk form with every chunk at once: batched matrix
+products over [B, H, NC] and prefix sums over chunks, no Python loop. Same results as the
+`chunked` forms of `reference.hla2`, `reference.ahla`, `reference.hla3` (the readable forms,
+whose docstrings derive them); differentiable."""
 from __future__ import annotations
 
 import torch
@@ -62,3 +63,89 @@ def hla2_chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e
             "m": m[:, :, -1] + dm[:, :, -1], "G": G[:, :, -1] + dG[:, :, -1],
             "h": h[:, :, -1] + dh[:, :, -1]}
     return out, last
+
+
+def _chunks(q, k, v, chunk_size):
+    """(Q, K, V [B, H, NC, n, .], n, L [n, n] lower-triangular incl. the diagonal), zero tokens
+    padding the last chunk (they leave every undecayed summary unchanged)."""
+    B, H, T, _ = q.shape
+    n = min(chunk_size, T)
+    NC = -(-T // n)
+    pad = NC * n - T
+    Q, K, V = (F.pad(x, (0, 0, 0, pad)).view(B, H, NC, n, x.shape[-1]) for x in (q, k, v))
+    return Q, K, V, torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+
+
+def _mv(X, x):
+    return (X @ x.unsqueeze(-1)).squeeze(-1)
+
+
+def _finish(num, den, normalize, eps, T):
+    B, H, NC, n, dv = num.shape
+    out = num / (den + eps).unsqueeze(-1) if normalize else num
+    return out.reshape(B, H, NC * n, dv)[:, :, :T]
+
+
+def ahla_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, state=None):
+    """(o [B, H, T, Dv], state) of AHLA without decay from `state` (zeros when None); the
+    same result as `reference.ahla.chunked`. Per chunk, with (P, m, E, n) carried in
+    (exclusive prefix sums), A = L * (Q K^T), R = K^T Q:
+        o = Q E + (A Q) P + ((A A) * L) V,      den = Q n + (A Q) m + ((A A) * L) 1
+        P += K^T V,  m += K^T 1,  E += R P + K^T (A V),  n += R m + K^T (A 1)."""
+    from ..reference.ahla import zero_state as ahla_zero
+
+    B, H, T, dk = q.shape
+    Q, K, V, L = _chunks(q, k, v, chunk_size)
+    st = state if state is not None else ahla_zero(B, H, dk, v.shape[-1], q.dtype, q.device)
+    Kt = K.transpose(-1, -2)
+    A = (Q @ Kt).masked_fill(~L, 0)
+    dP, dm = Kt @ V, Kt.sum(-1)
+    P = st["P"].unsqueeze(2) + _excl_cumsum(dP)
+    m = st["m"].unsqueeze(2) + _excl_cumsum(dm)
+    R = Kt @ Q
+    dE, dn = R @ P + Kt @ (A @ V), _mv(R, m) + _mv(Kt, A.sum(-1))
+    E = st["E"].unsqueeze(2) + _excl_cumsum(dE)
+    nn = st["n"].unsqueeze(2) + _excl_cumsum(dn)
+    AQ = A @ Q
+    M = (A @ A).masked_fill(~L, 0)
+    num = Q @ E + AQ @ P + M @ V
+    den = _mv(Q, nn) + _mv(AQ, m) + M.sum(-1) if normalize else None
+    last = {"P": P[:, :, -1] + dP[:, :, -1], "m": m[:, :, -1] + dm[:, :, -1],
+            "E": E[:, :, -1] + dE[:, :, -1], "n": nn[:, :, -1] + dn[:, :, -1]}
+    return _finish(num, den, normalize, eps, T), last
+
+
+def hla3_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, state=None):
+    """(o [B, H, T, Dv], state) of third-order HLA without decay from `state` (zeros when None);
+    the same result as `reference.hla3.chunked`. Per chunk, with (S, P, m, F, eta) carried in
+    (exclusive prefix sums), W = L * (Q K^T):
+        Y = Q P + W V,  y = Q m + W 1,  M = (Q S Q^T + W W^T) * L
+        o = Q F + M Y,  den = Q eta + M y
+        S += K^T K,  P += K^T V,  m += K^T 1,  F += U Y,  eta += U y,  U = S Q^T + K^T W^T."""
+    from ..reference.hla3 import zero_state as hla3_zero
+
+    B, H, T, dk = q.shape
+    Q, K, V, L = _chunks(q, k, v, chunk_size)
+    st = state if state is not None else hla3_zero(B, H, dk, v.shape[-1], q.dtype, q.device)
+    Kt, Qt = K.transpose(-1, -2), Q.transpose(-1, -2)
+    W = (Q @ Kt).masked_fill(~L, 0)
+    dS, dP, dm = Kt @ K, Kt @ V, Kt.sum(-1)
+    S = st["S"].unsqueeze(2) + _excl_cumsum(dS)
+    P = st["P"].unsqueeze(2) + _excl_cumsum(dP)
+    m = st["m"].unsqueeze(2) + _excl_cumsum(dm)
+    Y, y = Q @ P + W @ V, _mv(Q, m) + W.sum(-1)
+    U = S @ Qt + Kt @ W.transpose(-1, -2)
+    dF, deta = U @ Y, _mv(U, y)
+    Fs = st["F"].unsqueeze(2) + _excl_cumsum(dF)
+    eta = st["eta"].unsqueeze(2) + _excl_cumsum(deta)
+    M = (Q @ S @ Qt + W @ W.transpose(-1, -2)).masked_fill(~L, 0)
+    num = Q @ Fs + M @ Y
+    den = _mv(Q, eta) + _mv(M, y) if normalize else None
+    last = {"S": S[:, :, -1] + dS[:, :, -1], "P": P[:, :, -1] + dP[:, :, -1],
+            "m": m[:, :, -1] + dm[:, :, -1], "F": Fs[:, :, -1] + dF[:, :, -1],
+            "eta": eta[:, :, -1] + deta[:, :, -1]}
+    return _finish(num, den, normalize, eps, T), last
+
+
+# every chunk at once, no decay (with decay the reference's chunk loop is the PyTorch form)
+CHUNKED = {"hla2": hla2_chunked, "ahla": ahla_chunked, "hla3": hla3_chunked}

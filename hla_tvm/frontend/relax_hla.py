@@ -1,6 +1,7 @@
 """Emitting one HLA operator as Relax calls into the scheduled TensorIR kernels.
 
-`emit_hla(bb, op_name, q, k, v, state, gamma, ...)` emits the operator's kernel chain
+`emit_hla(bb, op_name, q, k, v, state, gamma, ...)`
+emits the operator's kernel chain
 (`kernels.chains`, the one description the eager backend runs too) on Relax expressions with
 (possibly symbolic) shapes q [B, H, T, Dk], k, v [B, H, T, .] and returns (o, new_state): T == 1
 (static) uses the decode chain, any other T the chunked prefill, whose chunk count is
@@ -48,24 +49,25 @@ def _tag(opts):
 
 def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     """(o, new_state list) of operator `op_name` (hla2, ahla, hla3) on q [B, H, T, Dk], k, v
-    with H heads, state entries in the operator's order; gamma [H] or None (no decay). Emits
+    with H / group heads (query head h reads key/value head h // group), state entries in the operator's order; gamma [H] or None (no decay). Emits
     the kernel chain of `kernels.chains`: T == 1 (static) its decode, any other T its prefill."""
     B, H, T, dk = _shape(q)
     dv, dk = int(_shape(v)[-1]), int(dk)
+    group = int(H) // int(_shape(k)[1])
     acc = _tir.accum_dtype(dtype)
     decode = isinstance(T, IntImm) and int(T) == 1
     fam = chains.family(op_name, decayed=gamma is not None, decode=decode)
     chain = chains.decode(fam) if decode else chains.prefill(fam)
     if gamma is None and chain.takes_gamma:
         gamma = relax.const(np.ones(int(H), dtype=acc))
-    tag = _tag({"dtype": dtype, "chunk": chunk, **opts})
+    tag = _tag({"dtype": dtype, "chunk": chunk, **opts}) + (f"_g{group}" if group > 1 else "")
     nc = (T + chunk - 1) // chunk
     env = {"q": q, "k": k, "v": v, "gamma": gamma, **dict(zip(chain.state_names, state))}
     for call in chain.calls:
         name = chains.kernel_name(chain, call, dk, dv)
         gv = _add(bb, f"{name}_{acc}" if call.kernel == "scan" else f"{name}_d{dk}x{dv}_{tag}",
                   lambda: chains.make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype,
-                                             **opts))
+                                             group=group, **opts))
         args = [env[x] for x in call.reads]
         types = [_tt(_shape(args[call.reads.index(x)]), acc) for x in call.inplace]
         types += [_tt([B, H, T, dv], dtype) if kind == "o" else
@@ -110,8 +112,8 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     """(o, new_state list) of one HLA operator call with grouped key/value heads: q [B, H, T, Dk],
     k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], state entries in `state_names` order (k/v-only entries
     with Hkv heads; empty for a fresh sequence, which starts from zeros), decay: per-query-head
-    gamma [H] or None. The kernels run H heads: k, v and the k/v-only entries are repeated, and
-    the new k/v-only entries keep each group's first."""
+    gamma [H] or None. The kernels run H heads, reading key/value head h // group of k, v; the
+    k/v-only entries are repeated, and the new ones keep each group's first."""
     op = operators.get(order, asymmetric)
     H, Hkv = int(q.ty.shape[1]), int(k.ty.shape[1])
     group = H // Hkv
@@ -119,8 +121,7 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     if not state:   # a fresh sequence
         shapes = op.state_shapes(_shape(q)[0], H, Hkv, int(q.ty.shape[3]), int(v.ty.shape[3]))
         state = zero_state(bb, q, [list(shapes[n]) for n in names])
-    if group > 1:
-        k, v = (bb.emit(relax.op.repeat(x, group, axis=1)) for x in (k, v))
+    if group > 1:   # the kernels read key/value head h // group of k, v themselves
         state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s
                  for n, s in zip(names, state)]
     opts = dict(normalize=bool(normalize), eps=float(eps))

@@ -33,12 +33,14 @@ def load_row(src, vb, vh, vc, vt, vi, n, L, dtype):
 
 
 @T.macro
-def stage(dst, src, b, hh, c, n, width, L, name):
-    """dst[b, h, c, t, i] = src[b, h, c*n + t, i] for the chunk's rows (zero past T)."""
+def stage(dst, src, b, hh, c, n, width, L, name, group=1):
+    """dst[b, h, c, t, i] = src[b, h // group, c*n + t, i] for the chunk's rows (zero past T);
+    group > 1 reads key/value head h // group of grouped k, v (`kv_group`)."""
     for t, i in T.grid(n, width):
         with T.sblock(name):
             vb, vh, vc, vt, vi = T.axis.remap("SSSSS", [b, hh, c, t, i])
-            dst[vb, vh, vc, vt, vi] = load_row(src, vb, vh, vc, vt, vi, n, L, dst.dtype)
+            dst[vb, vh, vc, vt, vi] = load_row(src, vb, vh // group, vc, vt, vi, n, L,
+                                               dst.dtype)
 
 
 @T.macro
@@ -138,17 +140,18 @@ def decay_weights(tail, gl, g, b, hh, c, n, L):
 
 
 @T.macro
-def load_token(qa, ka, va, q, k, v, b, h, dk, dv):
-    """qa, ka, va = the (b, h) token of q, k, v [B, H, 1, .] in the accumulation dtype."""
+def load_token(qa, ka, va, q, k, v, b, h, dk, dv, group):
+    """qa, ka, va = the (b, h) token of q [B, H, 1, .] and of k, v [B, H / group, 1, .] (key/value
+    head h // group) in the accumulation dtype."""
     for i in T.serial(dk):
         with T.sblock("qk"):
             vb, vh, vi = T.axis.remap("SSS", [b, h, i])
             qa[vi] = T.Cast(qa.dtype, q[vb, vh, 0, vi])
-            ka[vi] = T.Cast(ka.dtype, k[vb, vh, 0, vi])
+            ka[vi] = T.Cast(ka.dtype, k[vb, vh // group, 0, vi])
     for j in T.serial(dv):
         with T.sblock("va"):
             vb, vh, vj = T.axis.remap("SSS", [b, h, j])
-            va[vj] = T.Cast(va.dtype, v[vb, vh, 0, vj])
+            va[vj] = T.Cast(va.dtype, v[vb, vh // group, 0, vj])
 
 
 @T.macro

@@ -23,7 +23,7 @@ from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _deca
     stage as _stage, transpose as _transpose
 
 
-def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
+def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
     """One token, state (P, m, E, n) [B, H, ...] updated in place; gamma [H]:
     P = gP + k v^T, m = gm + k, E = gE + k (q^T P), n = gn + (q.m) k (P, m after the token);
     o = q^T E [/ (q.n + eps)]."""
@@ -35,8 +35,8 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
         B = T.int64()
         H = T.int64()
         q = T.match_buffer(q_h, (B, H, 1, dk), io)
-        k = T.match_buffer(k_h, (B, H, 1, dk), io)
-        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, 1, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         P = T.match_buffer(P_h, (B, H, dk, dv), acc)
         m = T.match_buffer(m_h, (B, H, dk), acc)
@@ -47,13 +47,13 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
             qa = T.alloc_buffer((dk,), acc)
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
-            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
             _cross_step(P, m, E, n, g, qa, ka, va, ka, o, b, h, dk, dv, eps, normalize)
 
     return ahla_decode
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     """Per chunk: R = K^T Q, dP = K^T (tail V), dm = K^T tail, dE = K^T (A (tail V)),
     dn = K^T (A tail), gl = g^len. Shapes: R [B, H, NC, dk, dk], dP, dE [B, H, NC, dk, dv],
     dm, dn [B, H, NC, dk], gl [B, H, NC]."""
@@ -69,8 +69,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
         dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
@@ -90,9 +90,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         At = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s, x in T.grid(n, dv):
                 with T.sblock("Vt"):
@@ -149,7 +149,7 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
     return ahla_chunk_cross
 
 
-def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32"):
+def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
     """O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V  [/ (g^t (Q nc + (A Q) mc)
     + ((A A) * Gamma) 1 + eps)] per chunk; Ec, Pc [B, H, NC, dk, dv], nc, mc [B, H, NC, dk]."""
     io, acc = dtype, accum_dtype(dtype)
@@ -164,8 +164,8 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         Ec = T.match_buffer(Ec_h, (B, H, NC, dk, dv), acc)
         Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
@@ -187,9 +187,9 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):
                 with T.sblock("A"):

@@ -137,27 +137,30 @@ def kernel_name(chain, call, dk, dv):
     return f"{chain.family}_chunk_{call.kernel}"
 
 
-def make_kernel(chain, call, dk, dv, *, chunk, dtype, **opts):
-    """The PrimFunc of `call`; opts: normalize, eps (and masked, ridge for second order)."""
+def make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
+    """The PrimFunc of `call`; opts: normalize, eps (and masked, ridge for second order). With
+    group > 1 the kernels reading k, v take them with H / group heads (grouped key/value heads:
+    query head h reads key/value head h // group)."""
     kmod = KERNELS[chain.family]
     if call.kernel == "scan":
         return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype)
     if call.kernel == "decode":
-        return kmod.decode(dk, dv, dtype=dtype, **opts)
+        return kmod.decode(dk, dv, dtype=dtype, group=group, **opts)
     if call.kernel == "summary":
-        return kmod.chunk_summary(dk, dv, chunk, dtype=dtype)
+        return kmod.chunk_summary(dk, dv, chunk, dtype=dtype, group=group)
     if call.kernel == "carry":
         return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype)
     if call.kernel == "cross":
         return kmod.chunk_cross(dk, dv, dtype=dtype)
-    return kmod.chunk_output(dk, dv, chunk, dtype=dtype, **opts)
+    return kmod.chunk_output(dk, dv, chunk, dtype=dtype, group=group, **opts)
 
 
-def kernels(chain, dk, dv, *, chunk, dtype, **opts):
+def kernels(chain, dk, dv, *, chunk, dtype, group=1, **opts):
     """{function name: PrimFunc} of every kernel `chain` calls."""
     out = {}
     for call in chain.calls:
         name = kernel_name(chain, call, dk, dv)
         if name not in out:
-            out[name] = make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype, **opts)
+            out[name] = make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype, group=group,
+                                    **opts)
     return out

@@ -25,7 +25,7 @@ from ._tir import accum_dtype, const, matmul as _matmul, matvec as _matvec, stag
     transpose as _transpose
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T):
     dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
     Shapes: q, k [B, H, T, dk], v [B, H, T, dv]; dS [B, H, NC, dk, dk], dC, dX [B, H, NC, dk, dv],
@@ -41,8 +41,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
@@ -59,8 +59,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dC, QT, Vc, b, hh, c, dk, dv, n, False, "dC")
             for i, t in T.grid(dk, n):
@@ -200,7 +200,8 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
     return hla2_chunk_carry
 
 
-def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, dtype="float32"):
+def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
+                 dtype="float32", group=1):
     """Outputs of every chunk from its recorded readout (Sc, Xc, rc of `chunk_carry`):
         masked:   Z = Q (Sc + lI),          M = ((Z Q^T) + (W W^T)) * L,  num = Q Xc + M V
         unmasked: Z = Q (Sc + lI) + W K,    M = (Z Q^T) * L,             num = Z Xc + M V
@@ -221,8 +222,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
         rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
@@ -247,9 +248,9 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
                 with T.sblock("W"):

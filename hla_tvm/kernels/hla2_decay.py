@@ -30,7 +30,7 @@ from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _l
 
 
 def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
-           dtype="float32"):
+           dtype="float32", group=1):
     """G = gG + k (k^T C), h = gh + k (k^T m) (C, m before the token), S = gS + k k^T,
     C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]
     (without the G, h terms when unmasked). gamma [H]: ones for no decay."""
@@ -44,8 +44,8 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
         B = T.int64()
         H = T.int64()
         q = T.match_buffer(q_h, (B, H, 1, dk), io)
-        k = T.match_buffer(k_h, (B, H, 1, dk), io)
-        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, 1, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         S = T.match_buffer(S_h, (B, H, dk, dk), acc)
         C = T.match_buffer(C_h, (B, H, dk, dv), acc)
@@ -62,7 +62,7 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             u = T.alloc_buffer((dk,), acc)
             num = T.alloc_buffer((dv,), acc)
             den = T.alloc_buffer((1,), acc)
-            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
             _vecmat(kC, ka, C, b, h, dk, dv, "kC")
             _vecdot(km, ka, m, b, h, dk, _c(0), "km")
             _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
@@ -94,7 +94,7 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
     return hla2d_decode
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     """Per chunk: dS, KK [B, H, NC, dk, dk], dC, dG [.., dk, dv], dm, dh [.., dk], gl [B, H, NC]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
@@ -108,8 +108,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
@@ -135,9 +135,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s in T.serial(n):
                 with T.sblock("tail1"):
@@ -212,7 +212,7 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
 
 
 def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6,
-                 ridge=0.0, dtype="float32"):
+                 ridge=0.0, dtype="float32", group=1):
     """Outputs of each chunk from the recorded Sc, Cc, mc, Gc, hc (module docstring)."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
@@ -227,8 +227,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
@@ -264,9 +264,9 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
             for t, s in T.grid(n, n):

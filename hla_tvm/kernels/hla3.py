@@ -29,7 +29,7 @@ from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _deca
     matmul as _matmul, matvec as _matvec, stage as _stage, transpose as _transpose
 
 
-def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
+def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
     """One token, state (S, P, m, F, eta) [B, H, ...] updated in place; gamma [H]:
     S = gS + k k^T, P = gP + k v^T, m = gm + k, F = gF + (S q)(q^T P), eta = g eta + (q.m) S q
     (S, P, m after the token); o = q^T F [/ (q.eta + eps)]."""
@@ -42,8 +42,8 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
         B = T.int64()
         H = T.int64()
         q = T.match_buffer(q_h, (B, H, 1, dk), io)
-        k = T.match_buffer(k_h, (B, H, 1, dk), io)
-        v = T.match_buffer(v_h, (B, H, 1, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, 1, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, 1, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         S = T.match_buffer(S_h, (B, H, dk, dk), acc)
         P = T.match_buffer(P_h, (B, H, dk, dv), acc)
@@ -56,7 +56,7 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
             ka = T.alloc_buffer((dk,), acc)
             va = T.alloc_buffer((dv,), acc)
             Sq = T.alloc_buffer((dk,), acc)
-            _load_token(qa, ka, va, q, k, v, b, h, dk, dv)
+            _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
             _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
             _vecmat(Sq, qa, S, b, h, dk, dk, "Sq")      # S q = q^T S (S symmetric)
             _cross_step(P, m, F, eta, g, qa, ka, va, Sq, o, b, h, dk, dv, eps, normalize)
@@ -64,7 +64,7 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32"):
     return hla3_decode
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
+def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     """Per chunk: dS [B, H, NC, dk, dk], dP [.., dk, dv], dm [.., dk], A1, A3 [.., dk, dk],
     A2, A4 [.., dk, dv], a2, a4 [.., dk], gl [B, H, NC] (see the module docstring)."""
     io, acc = dtype, accum_dtype(dtype)
@@ -80,8 +80,8 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
@@ -111,9 +111,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32"):
         wtw1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s, i in T.grid(n, dk):
                 with T.sblock("KtQg"):
@@ -215,7 +215,7 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
     return hla3_chunk_cross
 
 
-def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32"):
+def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
     """O = diag(g^t) Q Fc + M Y  [/ (g^t Q etac + M y + eps)] per chunk (module docstring)."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
@@ -229,8 +229,8 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         L = T.int64()
         NC = T.int64()
         q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H, L, dk), io)
-        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
@@ -261,9 +261,9 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
                 with T.sblock("W"):
