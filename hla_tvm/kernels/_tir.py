@@ -110,16 +110,17 @@ def chunk_scan(width: int, dtype="float32"):
         gl = T.match_buffer(gl_h, (B, H, NC), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
         for b, h in T.grid(B, H):
-            for c, i in T.grid(NC, width):
-                with T.sblock("record"):
-                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
-                    Xc[vb, vh, vc, vi] = X[vb, vh, vi]
-                with T.sblock("advance"):
-                    vu = T.axis.reduce(1, 0)   # in place (see the note at the top)
-                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
-                    with T.init():
-                        X[vb, vh, vi] = X[vb, vh, vi]
-                    X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
+            for c in T.serial(NC):
+                for i in T.serial(width):
+                    with T.sblock("record"):
+                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
+                for i in T.serial(width):
+                    with T.sblock("advance"):   # a fold over the chunks, in place on X
+                        vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
+                        with T.init():
+                            X[vb, vh, vi] = X[vb, vh, vi]
+                        X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
 
     return scan
 
