@@ -53,15 +53,16 @@ def functions(chain, mod, dk, dv):
 SCRATCH_BYTES = 128 << 20
 
 
-def scratch_per_chunk(chain, dk, dv):
-    """Accumulation values per chunk and head that `chain`'s per-chunk buffers hold."""
-    return sum(math.prod(chains.KIND_SHAPES[kind](dk, dv))
+def scratch_per_chunk(chain, dk, dv, n):
+    """Accumulation values per chunk (of n tokens) and head that `chain`'s per-chunk buffers
+    hold."""
+    return sum(math.prod(chains.KIND_SHAPES[kind](dk, dv, n))
                for kind in chain.kinds().values() if kind != "o")
 
 
 def segment_tokens(chain, B, H, dk, dv, chunk_size, acc):
     """Tokens per segment: whole chunks whose scratch fits in SCRATCH_BYTES; at least one."""
-    per_chunk = B * H * scratch_per_chunk(chain, dk, dv) * (torch.finfo(acc).bits // 8)
+    per_chunk = B * H * scratch_per_chunk(chain, dk, dv, chunk_size) * (torch.finfo(acc).bits // 8)
     return chunk_size * max(1, SCRATCH_BYTES // per_chunk)
 
 
@@ -111,7 +112,7 @@ def run_chain(chain, fns, env, out, chunk_size):
     B, H, T, dk = env["q"].shape
     dv = out.shape[-1]
     nc = math.ceil(T / chunk_size)
-    shapes = {name: (B, H, nc, *chains.KIND_SHAPES[kind](dk, dv))
+    shapes = {name: (B, H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk_size))
               for name, kind in chain.kinds().items() if kind != "o"}
     # each buffer starts 64-byte aligned, as TVM's own allocations do
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}

@@ -71,7 +71,7 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
         args = [env[x] for x in call.reads]
         types = [_tt(_shape(args[call.reads.index(x)]), acc) for x in call.inplace]
         types += [_tt([B, H, T, dv], dtype) if kind == "o" else
-                  _tt([B, H, nc, *chains.KIND_SHAPES[kind](dk, dv)], acc)
+                  _tt([B, H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk)], acc)
                   for _, kind in call.writes]
         shapes = [list(ty.shape) for ty in types]   # each result's shape outside the call
         if call.kernel == "scan":   # element-wise: state, increments and record flattened

@@ -87,6 +87,16 @@ def gpow(lg, x, dtype):
     return T.exp(lg * T.Cast(dtype, x))
 
 
+@T.macro
+def powers(pw, g, b, hh, c, count):
+    """pw[b, h, c, d] = g[h]^d for d < count: the chunk's decay powers, computed once so that
+    element-wise stages index them instead of calling exp per element."""
+    for d in T.serial(count):
+        with T.sblock("pw"):
+            vb, vh, vc, vd = T.axis.remap("SSSS", [b, hh, c, d])
+            pw[vb, vh, vc, vd] = gpow(T.log(g[vh]), vd, pw.dtype)
+
+
 def chunk_len(c, n, L):
     """Rows of chunk c: n, or fewer for the last chunk."""
     return T.min(T.int64(n), L - c * n)

@@ -19,7 +19,7 @@ import functools
 from tvm.script import tirx as T
 
 from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
-    load_token as _load_token, const, gpow, matmul as _matmul, matvec as _matvec, \
+    load_token as _load_token, powers as _powers, const, matmul as _matmul, matvec as _matvec, \
     stage as _stage, transpose as _transpose
 
 
@@ -185,8 +185,10 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         AQP = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         den = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        pw = T.sblock_alloc_buffer((B, H, NC, n + 1), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _powers(pw, g, b, hh, c, n + 1)
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
@@ -201,7 +203,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     M[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, AA[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
+                        vs <= vt, AA[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
             _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
             _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP")
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
@@ -213,7 +215,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             den[vb, vh, vc, vt] = _c(0)
                         den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
                             vi < dk,
-                            gpow(T.log(g[vh]), vt + 1, acc) * (
+                            pw[vb, vh, vc, vt + 1] * (
                                 Qc[vb, vh, vc, vt, T.min(vi, dk - 1)] * nc[vb, vh, vc, T.min(vi, dk - 1)]
                                 + AQ[vb, vh, vc, vt, T.min(vi, dk - 1)] * mc[vb, vh, vc, T.min(vi, dk - 1)]),
                             M[vb, vh, vc, vt, T.max(vi - dk, 0)])
@@ -223,11 +225,11 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                     T.where(c * n + t < L)
                     if normalize:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
+                            pw[vb, vh, vc, vt + 1] * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
                             + MV[vb, vh, vc, vt, vx]) / (den[vb, vh, vc, vt] + _c(eps)))
                     else:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
+                            pw[vb, vh, vc, vt + 1] * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
                             + MV[vb, vh, vc, vt, vx]))
 
     return ahla_chunk_output

@@ -17,7 +17,8 @@ with decay; its decode also serves undecayed second order with gamma = 1), ahla,
 Reads name the inputs q, k, v, gamma ([H] decay, ones for none), the state entries (the
 reference's names) and earlier writes; a kernel takes its reads in order, then its writes.
 Kinds of written buffers: per (batch, head, chunk) "kk" [Dk, Dk], "kv" [Dk, Dv], "k" [Dk],
-"1" (one value), in the accumulation dtype; "o" is the output [B, H, T, Dv] in the input dtype.
+"1" (one value), "nn" [n, n], "nv" [n, Dv], "n" [n] (n the chunk size), in the accumulation
+dtype; "o" is the output [B, H, T, Dv] in the input dtype.
 A "scan" call (`_tir.chunk_scan`) sees its state [B, H, width] and its increments and record
 [B, H, NC, width] flattened to the width of the increments' kind.
 """
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 
 from . import KERNELS, STATE_NAMES, _tir
 
-KIND_SHAPES = {"kk": lambda dk, dv: (dk, dk), "kv": lambda dk, dv: (dk, dv),
-               "k": lambda dk, dv: (dk,), "1": lambda dk, dv: ()}
+KIND_SHAPES = {"kk": lambda dk, dv, n: (dk, dk), "kv": lambda dk, dv, n: (dk, dv),
+               "k": lambda dk, dv, n: (dk,), "1": lambda dk, dv, n: (),
+               "nn": lambda dk, dv, n: (n, n), "nv": lambda dk, dv, n: (n, dv),
+               "n": lambda dk, dv, n: (n,)}
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,13 @@ _PREFILL = {
         Call("output", ("q", "k", "v", "gamma", "Ec", "Pc", "nc", "mc"), (("o", "o"),)),
     ),
     "hla3": (
-        Call("summary", ("q", "k", "v", "gamma"),
-             (("dS", "kk"), ("dP", "kv"), ("dm", "k"), ("A1", "kk"), ("A2", "kv"), ("a2", "k"),
-              ("A3", "kk"), ("A4", "kv"), ("a4", "k"), ("gl", "1"))),
+        Call("summary", ("gamma", "k", "v"),
+             (("dS", "kk"), ("dP", "kv"), ("dm", "k"), ("gl", "1"))),
         _scan("S", "dS", "kk"), _scan("P", "dP", "kv"), _scan("m", "dm", "k"),
-        Call("cross", ("Sc", "Pc", "mc", "A1", "A2", "a2", "A3", "A4", "a4", "gl"),
-             (("ddF", "kv"), ("ddeta", "k"))),
+        Call("cross", ("q", "k", "v", "gamma", "Sc", "Pc", "mc"),
+             (("ddF", "kv"), ("ddeta", "k"), ("M", "nn"), ("Y", "nv"), ("y", "n"))),
         _scan("F", "ddF", "kv"), _scan("eta", "ddeta", "k"),
-        Call("output", ("q", "k", "v", "gamma", "Sc", "Pc", "mc", "Fc", "etac"), (("o", "o"),)),
+        Call("output", ("q", "gamma", "Fc", "etac", "M", "Y", "y"), (("o", "o"),)),
     ),
 }
 
@@ -123,7 +125,7 @@ def decode(fam):
 
 def scan_width(kind, dk, dv):
     w = 1
-    for d in KIND_SHAPES[kind](dk, dv):
+    for d in KIND_SHAPES[kind](dk, dv, 0):
         w *= d
     return w
 
@@ -151,7 +153,11 @@ def make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
     if call.kernel == "carry":
         return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype)
     if call.kernel == "cross":
+        if "q" in call.reads:   # a cross kernel that reads the chunk's tokens
+            return kmod.chunk_cross(dk, dv, chunk, dtype=dtype, group=group)
         return kmod.chunk_cross(dk, dv, dtype=dtype)
+    if "k" not in call.reads:   # an output kernel that reads no keys or values
+        return kmod.chunk_output(dk, dv, chunk, dtype=dtype, **opts)
     return kmod.chunk_output(dk, dv, chunk, dtype=dtype, group=group, **opts)
 
 

@@ -26,7 +26,7 @@ from tvm.script import tirx as T
 from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
     update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
     vecmat as _vecmat, write_token as _write_token, chunk_len, const, gpow, matmul as _matmul, \
-    matvec as _matvec, stage as _stage, transpose as _transpose
+    matvec as _matvec, powers as _powers, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
@@ -260,9 +260,11 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         KWKC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         Km = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        pw = T.sblock_alloc_buffer((B, H, NC, 2 * n + 1), acc)
         den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _powers(pw, g, b, hh, c, 2 * n + 1)
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
@@ -274,11 +276,11 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], _c(0))
                     WG[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, W0[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
+                        vs <= vt, W0[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
                     KW[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt, W0[vb, vh, vc, vt, vs] * (
-                            gpow(T.log(g[vh]), vt + 1 + vt - vs, acc)
-                            - _c(mk) * gpow(T.log(g[vh]), vt, acc)), _c(0))
+                            pw[vb, vh, vc, T.max(vt + 1 + vt - vs, 0)]
+                            - _c(mk) * pw[vb, vh, vc, vt]), _c(0))
                     Bs[vb, vh, vc, vt, vs] = T.Select(vs < vt, KQ[vb, vh, vc, vt, vs], _c(0))
             _matmul(Z, Qc, Sc, b, hh, c, n, dk, dk, False, "Z")
             _matmul(ZC, Z, Cc, b, hh, c, n, dv, dk, False, "ZC")
@@ -294,11 +296,11 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     M[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt,
-                        (gpow(T.log(g[vh]), vt + 1, acc) * QSQ[vb, vh, vc, vt, vs]
+                        (pw[vb, vh, vc, vt + 1] * QSQ[vb, vh, vc, vt, vs]
                          + _c(ridge) * QQ[vb, vh, vc, vt, vs] + WKQ[vb, vh, vc, vt, vs])
-                        * gpow(T.log(g[vh]), vt - vs, acc)
+                        * pw[vb, vh, vc, T.max(vt - vs, 0)]
                         - _c(mk) * T.Select(vs < vt, WB[vb, vh, vc, vt, vs]
-                                            * gpow(T.log(g[vh]), vt - 1 - vs, acc), _c(0)),
+                                            * pw[vb, vh, vc, T.max(vt - 1 - vs, 0)], _c(0)),
                         _c(0))
             _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC", True)
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
@@ -311,8 +313,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                             den[vb, vh, vc, vt] = _c(eps)
                         den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
                             vj < dk,
-                            gpow(T.log(g[vh]), vt + 1, acc) * (
-                                gpow(T.log(g[vh]), vt + 1, acc) * Z[vb, vh, vc, vt, T.min(vj, dk - 1)]
+                            pw[vb, vh, vc, vt + 1] * (
+                                pw[vb, vh, vc, vt + 1] * Z[vb, vh, vc, vt, T.min(vj, dk - 1)]
                                 * mc[vb, vh, vc, T.min(vj, dk - 1)]
                                 - _c(mk) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * hc[vb, vh, vc, T.min(vj, dk - 1)]
                                 + _c(ridge) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)] * mc[vb, vh, vc, T.min(vj, dk - 1)]),
@@ -326,14 +328,14 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     T.where(c * n + t < L)
                     if normalize:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * (
-                                gpow(T.log(g[vh]), vt + 1, acc) * ZC[vb, vh, vc, vt, vx]
+                            pw[vb, vh, vc, vt + 1] * (
+                                pw[vb, vh, vc, vt + 1] * ZC[vb, vh, vc, vt, vx]
                                 - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
                             + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]) / den[vb, vh, vc, vt])
                     else:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * (
-                                gpow(T.log(g[vh]), vt + 1, acc) * ZC[vb, vh, vc, vt, vx]
+                            pw[vb, vh, vc, vt + 1] * (
+                                pw[vb, vh, vc, vt + 1] * ZC[vb, vh, vc, vt, vx]
                                 - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
                             + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]))
 

@@ -1,22 +1,21 @@
 """Third-order HLA as TensorIR; mirrors `hla_tvm.reference.hla3` (decay always on: pass
 gamma = 1 for none). State (S, P, m, F, eta). Chunk form, local s, t = 1..len, W = L * (Q K^T),
-WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len:
+WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len, gt = g^t:
 
-    chunk_summary  dS = K^T (tail K), dP = K^T (tail V), dm = K^T tail,
-                   A1 = Q^T diag(g^(len+s)) Q, A2 = Q^T WG V, a2 = Q^T WG 1,
-                   A3 = K^T WG^T Q, A4 = K^T WG^T diag(tail) WG V, a4 (1 for V)       (parallel)
+    chunk_summary  dS = K^T (tail K), dP = K^T (tail V), dm = K^T tail                (parallel)
     chunk_scan     S, P, m: record Sc, Pc, mc                                          (sequential)
-    chunk_cross    X = Sc A1 + gl A3:  ddF = X Pc + gl Sc A2 + A4,
-                   ddeta = X mc + gl Sc a2 + a4                                        (parallel)
+    chunk_cross    Y = diag(gt) Q Pc + WG V,  y = diag(gt) Q mc + WG 1,
+                   U^T = diag(gt) Q Sc + WG K,  ddF = U (tail * Y),  ddeta = U (tail * y),
+                   M = (diag(gt) Q Sc Q^T + WG W^T) * L;   writes ddF, ddeta, M, Y, y   (parallel)
     chunk_scan     F, eta with ddF, ddeta                                             (sequential)
-    chunk_output   Y = diag(g^s) Q Pc + WG V,  M = (diag(g^t) Q Sc Q^T + WG W^T) * L,
-                   O = diag(g^t) Q Fc + M Y  [/ (g^t Q etac + M y + eps)]              (parallel)
+    chunk_output   O = diag(gt) Q Fc + M Y  [/ (gt Q etac + M y + eps)]                (parallel)
     decode         one token in place: S, P, m, then F = gF + (S q)(q^T P),
                    eta = g eta + (S q)(q^T m), o = q^T F [/ (q^T eta + eps)]
 
-The cross term needs only d x d and d x dv chunk summaries (not the paper's O(d^3 dv) maps):
 F' = gl F + sum_s g^(len-s) (S_s q_s)(q_s^T P_s) with S_s q_s = g^s Sc q_s + (K^T WG^T)_s and
-q_s^T P_s = g^s q_s^T Pc + (WG V)_s; expanding the product gives the four terms above.
+q_s^T P_s = g^s q_s^T Pc + (WG V)_s (rows of U and Y); S is symmetric (a sum of k k^T), so
+(Sc Q^T)^T = Q Sc serves both U and M. Twelve d^3-sized products a chunk, all but two (Q Fc,
+M Y) before the scan of F.
 """
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ import functools
 from tvm.script import tirx as T
 
 from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
-    load_token as _load_token, update_outer as _update_outer, vecmat as _vecmat, const, gpow, \
+    load_token as _load_token, powers as _powers, update_outer as _update_outer, \
+    vecmat as _vecmat, const, \
     matmul as _matmul, matvec as _matvec, stage as _stage, transpose as _transpose
 
 
@@ -65,62 +65,39 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", grou
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: dS [B, H, NC, dk, dk], dP [.., dk, dv], dm [.., dk], A1, A3 [.., dk, dk],
-    A2, A4 [.., dk, dv], a2, a4 [.., dk], gl [B, H, NC] (see the module docstring)."""
+    """Per chunk: dS = K^T (tail K) [B, H, NC, dk, dk], dP = K^T (tail V) [.., dk, dv],
+    dm = K^T tail [.., dk], gl = g^len [B, H, NC]."""
     io, acc = dtype, accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
-    def hla3_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                           dS_h: T.handle, dP_h: T.handle, dm_h: T.handle, A1_h: T.handle,
-                           A2_h: T.handle, a2_h: T.handle, A3_h: T.handle, A4_h: T.handle,
-                           a4_h: T.handle, gl_h: T.handle):
+    def hla3_chunk_summary(g_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
+                           dP_h: T.handle, dm_h: T.handle, gl_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
         NC = T.int64()
-        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        g = T.match_buffer(g_h, (H,), acc)
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
-        g = T.match_buffer(g_h, (H,), acc)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
-        A1 = T.match_buffer(A1_h, (B, H, NC, dk, dk), acc)
-        A2 = T.match_buffer(A2_h, (B, H, NC, dk, dv), acc)
-        a2 = T.match_buffer(a2_h, (B, H, NC, dk), acc)
-        A3 = T.match_buffer(A3_h, (B, H, NC, dk, dk), acc)
-        A4 = T.match_buffer(A4_h, (B, H, NC, dk, dv), acc)
-        a4 = T.match_buffer(a4_h, (B, H, NC, dk), acc)
         gl = T.match_buffer(gl_h, (B, H, NC), acc)
-        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
         Kt = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        Qg = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        W0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        WG = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        WGV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        wg1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        WTQ = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        tWGV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        WTtWGV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        wtw1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s, i in T.grid(n, dk):
-                with T.sblock("KtQg"):
+                with T.sblock("Kt"):
                     vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
                     Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
-                    Qg[vb, vh, vc, vs, vi] = gl[vb, vh, vc] * gpow(T.log(g[vh]), vs + 1, acc) \
-                        * Qc[vb, vh, vc, vs, vi]
             for s, x in T.grid(n, dv):
                 with T.sblock("Vt"):
                     vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
@@ -128,102 +105,20 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
             _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
-            _matmul(A1, Qc, Qg, b, hh, c, dk, dk, n, True, "A1")
-            _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
-            for t, s in T.grid(n, n):
-                with T.sblock("WG"):
-                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                    WG[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, W0[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
-            _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV")
-            _matmul(A2, Qc, WGV, b, hh, c, dk, dv, n, True, "A2")
-            for t, s in T.grid(n, n):
-                with T.sblock("wg1"):
-                    vb, vh, vc, vt, vs = T.axis.remap("SSSSR", [b, hh, c, t, s])
-                    with T.init():
-                        wg1[vb, vh, vc, vt] = _c(0)
-                    wg1[vb, vh, vc, vt] = wg1[vb, vh, vc, vt] + WG[vb, vh, vc, vt, vs]
-            _matvec(a2, Qc, wg1, b, hh, c, dk, n, True, "a2")
-            _matmul(WTQ, WG, Qc, b, hh, c, n, dk, n, True, "WTQ")
-            _matmul(A3, Kc, WTQ, b, hh, c, dk, dk, n, True, "A3")
-            for t, x in T.grid(n, dv):
-                with T.sblock("tWGV"):
-                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
-                    tWGV[vb, vh, vc, vt, vx] = tail[vb, vh, vc, vt] * WGV[vb, vh, vc, vt, vx]
-            _matmul(WTtWGV, WG, tWGV, b, hh, c, n, dv, n, True, "WTtWGV")
-            _matmul(A4, Kc, WTtWGV, b, hh, c, dk, dv, n, True, "A4")
-            for j, t in T.grid(n, n):
-                with T.sblock("wtw1"):
-                    vb, vh, vc, vj, vt = T.axis.remap("SSSSR", [b, hh, c, j, t])
-                    with T.init():
-                        wtw1[vb, vh, vc, vj] = _c(0)
-                    wtw1[vb, vh, vc, vj] = wtw1[vb, vh, vc, vj] \
-                        + WG[vb, vh, vc, vt, vj] * tail[vb, vh, vc, vt] * wg1[vb, vh, vc, vt]
-            _matvec(a4, KT, wtw1, b, hh, c, dk, n, False, "a4")
 
     return hla3_chunk_summary
 
 
-def chunk_cross(dk: int, dv: int, *, dtype="float32"):
-    """X = Sc A1 + gl A3;  ddF = X Pc + gl Sc A2 + A4;  ddeta = X mc + gl Sc a2 + a4."""
-    acc = accum_dtype(dtype)
-
-    @T.prim_func(s_tir=True)
-    def hla3_chunk_cross(Sc_h: T.handle, Pc_h: T.handle, mc_h: T.handle, A1_h: T.handle,
-                         A2_h: T.handle, a2_h: T.handle, A3_h: T.handle, A4_h: T.handle,
-                         a4_h: T.handle, gl_h: T.handle, ddF_h: T.handle, ddeta_h: T.handle):
-        B = T.int64()
-        H = T.int64()
-        NC = T.int64()
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
-        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
-        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
-        A1 = T.match_buffer(A1_h, (B, H, NC, dk, dk), acc)
-        A2 = T.match_buffer(A2_h, (B, H, NC, dk, dv), acc)
-        a2 = T.match_buffer(a2_h, (B, H, NC, dk), acc)
-        A3 = T.match_buffer(A3_h, (B, H, NC, dk, dk), acc)
-        A4 = T.match_buffer(A4_h, (B, H, NC, dk, dv), acc)
-        a4 = T.match_buffer(a4_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
-        ddF = T.match_buffer(ddF_h, (B, H, NC, dk, dv), acc)
-        ddeta = T.match_buffer(ddeta_h, (B, H, NC, dk), acc)
-        SA1 = T.sblock_alloc_buffer((B, H, NC, dk, dk), acc)
-        X = T.sblock_alloc_buffer((B, H, NC, dk, dk), acc)
-        XP = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
-        SA2 = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
-        for b, hh, c in T.grid(B, H, NC):
-            _matmul(SA1, Sc, A1, b, hh, c, dk, dk, dk, False, "SA1")
-            for i, j in T.grid(dk, dk):
-                with T.sblock("X"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    X[vb, vh, vc, vi, vj] = SA1[vb, vh, vc, vi, vj] + gl[vb, vh, vc] * A3[vb, vh, vc, vi, vj]
-            _matmul(XP, X, Pc, b, hh, c, dk, dv, dk, False, "XP")
-            _matmul(SA2, Sc, A2, b, hh, c, dk, dv, dk, False, "SA2")
-            for i, j in T.grid(dk, dv):
-                with T.sblock("ddF"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    ddF[vb, vh, vc, vi, vj] = XP[vb, vh, vc, vi, vj] \
-                        + gl[vb, vh, vc] * SA2[vb, vh, vc, vi, vj] + A4[vb, vh, vc, vi, vj]
-            for i, j in T.grid(dk, dk):
-                with T.sblock("ddeta"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
-                    with T.init():
-                        ddeta[vb, vh, vc, vi] = a4[vb, vh, vc, vi]
-                    ddeta[vb, vh, vc, vi] = ddeta[vb, vh, vc, vi] + X[vb, vh, vc, vi, vj] * mc[vb, vh, vc, vj] \
-                        + gl[vb, vh, vc] * Sc[vb, vh, vc, vi, vj] * a2[vb, vh, vc, vj]
-
-    return hla3_chunk_cross
-
-
-def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
-    """O = diag(g^t) Q Fc + M Y  [/ (g^t Q etac + M y + eps)] per chunk (module docstring)."""
+def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+    """Per chunk, from the recorded Sc, Pc, mc (module docstring): ddF [B, H, NC, dk, dv],
+    ddeta [.., dk], and for the output M [.., n, n], Y [.., n, dv], y [.., n]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
-    def hla3_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                          Sc_h: T.handle, Pc_h: T.handle, mc_h: T.handle, Fc_h: T.handle,
-                          etac_h: T.handle, o_h: T.handle):
+    def hla3_chunk_cross(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                         Sc_h: T.handle, Pc_h: T.handle, mc_h: T.handle, ddF_h: T.handle,
+                         ddeta_h: T.handle, M_h: T.handle, Y_h: T.handle, y_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -235,72 +130,127 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
         mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
-        Fc = T.match_buffer(Fc_h, (B, H, NC, dk, dv), acc)
-        etac = T.match_buffer(etac_h, (B, H, NC, dk), acc)
-        o = T.match_buffer(o_h, (B, H, L, dv), io)
+        ddF = T.match_buffer(ddF_h, (B, H, NC, dk, dv), acc)
+        ddeta = T.match_buffer(ddeta_h, (B, H, NC, dk), acc)
+        M = T.match_buffer(M_h, (B, H, NC, n, n), acc)
+        Y = T.match_buffer(Y_h, (B, H, NC, n, dv), acc)
+        y = T.match_buffer(y_h, (B, H, NC, n), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        gl = T.sblock_alloc_buffer((B, H, NC), acc)
+        pw = T.sblock_alloc_buffer((B, H, NC, n + 1), acc)
         W0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         W = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         WT = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         WG = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         QP = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         WGV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        Y = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        y = T.sblock_alloc_buffer((B, H, NC, n), acc)
         QS = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        WGK = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        UT = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        tY = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        ty = T.sblock_alloc_buffer((B, H, NC, n), acc)
         QSQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         WGW = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        QF = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        MY = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
+            _powers(pw, g, b, hh, c, n + 1)
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
                 with T.sblock("W"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], _c(0))
                     WG[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, W0[vb, vh, vc, vt, vs] * gpow(T.log(g[vh]), vt - vs, acc), _c(0))
+                        vs <= vt, W0[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
             _transpose(WT, W, b, hh, c, n, n, "WT")
             _matmul(QP, Qc, Pc, b, hh, c, n, dv, dk, False, "QP")
             _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV", True)
             for t, x in T.grid(n, dv):
                 with T.sblock("Y"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
-                    Y[vb, vh, vc, vt, vx] = gpow(T.log(g[vh]), vt + 1, acc) * QP[vb, vh, vc, vt, vx] \
-                        + WGV[vb, vh, vc, vt, vx]
+                    Y[vb, vh, vc, vt, vx] = pw[vb, vh, vc, vt + 1] \
+                        * QP[vb, vh, vc, vt, vx] + WGV[vb, vh, vc, vt, vx]
+            for t, x in T.grid(n, dv):
+                with T.sblock("tY"):
+                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
+                    tY[vb, vh, vc, vt, vx] = tail[vb, vh, vc, vt] * (
+                        pw[vb, vh, vc, vt + 1] * QP[vb, vh, vc, vt, vx] + WGV[vb, vh, vc, vt, vx])
+            for t, j in T.grid(n, dk + n):
+                with T.sblock("y"):
+                    vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
+                    with T.init():
+                        y[vb, vh, vc, vt] = _c(0)
+                    y[vb, vh, vc, vt] = y[vb, vh, vc, vt] + T.if_then_else(
+                        vj < dk,
+                        pw[vb, vh, vc, vt + 1] * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
+                        * mc[vb, vh, vc, T.min(vj, dk - 1)],
+                        WG[vb, vh, vc, vt, T.max(vj - dk, 0)])
+            for t in T.serial(n):
+                with T.sblock("ty"):
+                    vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+                    ty[vb, vh, vc, vt] = tail[vb, vh, vc, vt] * y[vb, vh, vc, vt]
             _matmul(QS, Qc, Sc, b, hh, c, n, dk, dk, False, "QS")
+            _matmul(WGK, WG, Kc, b, hh, c, n, dk, n, False, "WGK", True)
+            for s, i in T.grid(n, dk):
+                with T.sblock("UT"):
+                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
+                    UT[vb, vh, vc, vs, vi] = pw[vb, vh, vc, vs + 1] \
+                        * QS[vb, vh, vc, vs, vi] + WGK[vb, vh, vc, vs, vi]
+            _matmul(ddF, UT, tY, b, hh, c, dk, dv, n, True, "ddF")
+            _matvec(ddeta, UT, ty, b, hh, c, dk, n, True, "ddeta")
             _matmul(QSQ, QS, QT, b, hh, c, n, n, dk, False, "QSQ")
             _matmul(WGW, WG, WT, b, hh, c, n, n, n, False, "WGW", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     M[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, gpow(T.log(g[vh]), vt + 1, acc) * QSQ[vb, vh, vc, vt, vs]
+                        vs <= vt, pw[vb, vh, vc, vt + 1] * QSQ[vb, vh, vc, vt, vs]
                         + WGW[vb, vh, vc, vt, vs], _c(0))
+
+    return hla3_chunk_cross
+
+
+def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32"):
+    """O = diag(gt) Q Fc + M Y  [/ (gt Q etac + M y + eps)] per chunk, M, Y, y from
+    `chunk_cross` (module docstring)."""
+    io, acc = dtype, accum_dtype(dtype)
+    _c = functools.partial(const, dtype=acc)
+
+    @T.prim_func(s_tir=True)
+    def hla3_chunk_output(q_h: T.handle, g_h: T.handle, Fc_h: T.handle, etac_h: T.handle,
+                          M_h: T.handle, Y_h: T.handle, y_h: T.handle, o_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        Fc = T.match_buffer(Fc_h, (B, H, NC, dk, dv), acc)
+        etac = T.match_buffer(etac_h, (B, H, NC, dk), acc)
+        M = T.match_buffer(M_h, (B, H, NC, n, n), acc)
+        Y = T.match_buffer(Y_h, (B, H, NC, n, dv), acc)
+        y = T.match_buffer(y_h, (B, H, NC, n), acc)
+        o = T.match_buffer(o_h, (B, H, L, dv), io)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QF = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        MY = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        den = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        pw = T.sblock_alloc_buffer((B, H, NC, n + 1), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _powers(pw, g, b, hh, c, n + 1)
             _matmul(QF, Qc, Fc, b, hh, c, n, dv, dk, False, "QF")
             _matmul(MY, M, Y, b, hh, c, n, dv, n, False, "MY", True)
             if normalize:
-                for t, j in T.grid(n, dk + n):
-                    with T.sblock("y"):
-                        vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
-                        with T.init():
-                            y[vb, vh, vc, vt] = _c(0)
-                        y[vb, vh, vc, vt] = y[vb, vh, vc, vt] + T.if_then_else(
-                            vj < dk,
-                            gpow(T.log(g[vh]), vt + 1, acc) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
-                            * mc[vb, vh, vc, T.min(vj, dk - 1)],
-                            WG[vb, vh, vc, vt, T.max(vj - dk, 0)])
                 for t, j in T.grid(n, dk + n):
                     with T.sblock("den"):
                         vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
@@ -308,7 +258,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             den[vb, vh, vc, vt] = _c(eps)
                         den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
                             vj < dk,
-                            gpow(T.log(g[vh]), vt + 1, acc) * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
+                            pw[vb, vh, vc, vt + 1] * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
                             * etac[vb, vh, vc, T.min(vj, dk - 1)],
                             T.Select(vj - dk <= vt,
                                      M[vb, vh, vc, vt, T.max(vj - dk, 0)]
@@ -319,11 +269,11 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                     T.where(c * n + t < L)
                     if normalize:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * QF[vb, vh, vc, vt, vx]
+                            pw[vb, vh, vc, vt + 1] * QF[vb, vh, vc, vt, vx]
                             + MY[vb, vh, vc, vt, vx]) / den[vb, vh, vc, vt])
                     else:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            gpow(T.log(g[vh]), vt + 1, acc) * QF[vb, vh, vc, vt, vx]
+                            pw[vb, vh, vc, vt + 1] * QF[vb, vh, vc, vt, vx]
                             + MY[vb, vh, vc, vt, vx]))
 
     return hla3_chunk_output
