@@ -57,9 +57,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
                        f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
     group = H // Hkv
-    opts = dict(normalize=normalize, eps=eps)
-    if op.has_mask_ridge:
-        opts.update(masked=masked, ridge=ridge)
+    opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     if backend == "tvm":
         _tvm_not_yet(op, decay=decay, device=q.device)
     k, v, state = _expand_groups(op, k, v, state, group, backend)

@@ -21,12 +21,9 @@ TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64"}
 
 
-def kernel_options(dtype, *, normalize, eps, masked=None, ridge=None):
-    """The options baked into a chain's kernels: normalize, eps (and masked, ridge for second
-    order), dtype the inputs' (a torch dtype)."""
-    opts = {"normalize": bool(normalize), "eps": float(eps)}
-    if masked is not None:
-        opts.update(masked=bool(masked), ridge=float(ridge))
+def kernel_options(dtype, **opts):
+    """The options baked into a chain's kernels: the operator's (`Operator.options`) and the
+    inputs' dtype (a torch dtype)."""
     return {**opts, "dtype": TORCH_DTYPES[dtype]}
 
 

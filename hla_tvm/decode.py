@@ -67,9 +67,7 @@ class _Plan:
         self.out_shape = torch.Size((B, H, 1, dv))
         self.dtype, self.ndim = q.dtype, q.dim()
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
-        opts = dict(normalize=normalize, eps=eps)
-        if op.has_mask_ridge:
-            opts.update(masked=masked, ridge=ridge)
+        opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
         chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
         mod = backend.module(chain, dk, dv, resolve(target), group=H // Hkv,
                              **backend.kernel_options(q.dtype, **opts))

@@ -29,6 +29,14 @@ class Operator:
     def state_names(self):
         return self.ref.STATE_NAMES
 
+    def options(self, *, masked, normalize, eps, ridge):
+        """The operator's keyword options: normalize, eps, and masked, ridge where it has
+        them (second order)."""
+        opts = {"normalize": bool(normalize), "eps": float(eps)}
+        if self.has_mask_ridge:
+            opts.update(masked=bool(masked), ridge=float(ridge))
+        return opts
+
     def state_shapes(self, B, H, Hkv, dk, dv):
         """{name: shape}; entries in kv_state have Hkv heads (paper Section 5.2)."""
         shapes = dict(self.ref.state_shapes(B, H, dk, dv))

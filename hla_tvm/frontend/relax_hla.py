@@ -124,9 +124,7 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     if group > 1:   # the kernels read key/value head h // group of k, v themselves
         state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s
                  for n, s in zip(names, state)]
-    opts = dict(normalize=bool(normalize), eps=float(eps))
-    if op.has_mask_ridge:
-        opts.update(masked=bool(masked), ridge=float(ridge))
+    opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     out, new_state = emit_hla(bb, op.name, q, k, v, list(state), decay, chunk=int(chunk),
                               dtype=str(q.ty.dtype), **opts)
     if group > 1:

@@ -182,8 +182,7 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             for t, x in T.grid(n, dv):
                 with T.sblock("tY"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
-                    tY[vb, vh, vc, vt, vx] = tail[vb, vh, vc, vt] * (
-                        pw[vb, vh, vc, vt + 1] * QP[vb, vh, vc, vt, vx] + WGV[vb, vh, vc, vt, vx])
+                    tY[vb, vh, vc, vt, vx] = tail[vb, vh, vc, vt] * Y[vb, vh, vc, vt, vx]
             for t, j in T.grid(n, dk + n):
                 with T.sblock("y"):
                     vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
