@@ -60,14 +60,14 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     if backend == "tvm":
         _tvm_not_yet(op, decay=decay, device=q.device)
-    k, v, state = _expand_groups(op, k, v, state, group, backend)
     if backend == "torch":
+        k, v, state = _expand_groups(op, k, v, state, group)
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
-    else:
+        if group > 1:
+            new_state = {n: (x[:, ::group].contiguous() if n in op.kv_state else x)
+                         for n, x in new_state.items()}
+    else:   # the kernels take grouped k, v and the key/value-only entries per key/value head
         out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts)
-    if group > 1:
-        new_state = {n: (x[:, ::group].contiguous() if n in op.kv_state else x)
-                     for n, x in new_state.items()}
     return (out, new_state) if return_state else out
 
 
@@ -104,17 +104,14 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     return out, dict(zip(plan.names, st))
 
 
-def _expand_groups(op, k, v, state, group, backend):
-    """Grouped key/value heads: the state entries built from k, v alone are stored once per
-    key/value head and repeated here for the query heads; the compiled kernels read key/value
-    head h // group of k, v themselves, the PyTorch forms get k, v repeated."""
+def _expand_groups(op, k, v, state, group):
+    """Grouped key/value heads for the PyTorch forms: k, v and the state entries built from
+    k, v alone (stored once per key/value head) repeated for the query heads."""
     if group == 1:
         return k, v, state
     if state is not None:
         state = {n: (x.repeat_interleave(group, 1) if n in op.kv_state else x)
                  for n, x in state.items()}
-    if backend == "tvm":
-        return k, v, state
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), state
 
 
@@ -175,7 +172,8 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
         q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
     acc = state_dtype(q.dtype)
     if state is None:
-        st = op.ref.zero_state(B, H, dk, dv, acc)
+        shapes = op.state_shapes(B, H, k.shape[1], dk, dv)
+        st = {n: torch.zeros(shapes[n], dtype=acc) for n in op.state_names}
     else:  # a private copy in the accumulation dtype: the kernels update it in place
         st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -40,9 +40,9 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, **opts):
         spec, lambda: chains.kernels(chain, dk, dv, chunk=chunk, group=group, **opts), target)
 
 
-def functions(chain, mod, dk, dv):
+def functions(chain, mod, dk, dv, group=1):
     """The compiled function of each call of `chain`, in order."""
-    return [mod[chains.kernel_name(chain, call, dk, dv)] for call in chain.calls]
+    return [mod[chains.kernel_name(chain, call, dk, dv, group)] for call in chain.calls]
 
 
 # Scratch (per-chunk summaries and records) a prefill call may hold: longer inputs run in
@@ -104,12 +104,15 @@ def release_scratch():
 
 def run_chain(chain, fns, env, out, chunk_size):
     """Call `chain`'s compiled functions `fns` in order: env maps the reads (q, k, v, gamma and
-    the state entries, which are advanced in place) to tensors; the per-chunk buffers the calls
-    write are views of this thread's scratch; the output goes to `out` [B, H, T, Dv]."""
+    the state entries, which are advanced in place; the chain's key/value-head entries with the
+    key/value heads of k) to tensors; the per-chunk buffers the calls write are views of this
+    thread's scratch; the output goes to `out` [B, H, T, Dv]."""
     B, H, T, dk = env["q"].shape
+    Hkv = env["k"].shape[1]
     dv = out.shape[-1]
     nc = math.ceil(T / chunk_size)
-    shapes = {name: (B, H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk_size))
+    kv = chain.kv_buffers()
+    shapes = {name: (B, Hkv if name in kv else H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk_size))
               for name, kind in chain.kinds().items() if kind != "o"}
     # each buffer starts 64-byte aligned, as TVM's own allocations do
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
@@ -119,12 +122,16 @@ def run_chain(chain, fns, env, out, chunk_size):
         env[name] = flat[at:at + math.prod(shape)].view(shape)
         at += sizes[name]
     env["o"] = out
+    gamma_kv = None
+    if env.get("gamma") is not None:   # the kv calls' decay: each group's first query head
+        gamma_kv = env["gamma"] if Hkv == H else env["gamma"][::H // Hkv].contiguous()
     for call, fn in zip(chain.calls, fns):
-        args = [env[x] for x in call.reads]
+        args = [gamma_kv if call.kv and x == "gamma" else env[x] for x in call.reads]
         writes = [env[x] for x, _ in call.writes]
         if call.kernel == "scan":   # element-wise: state, increments and record flattened
-            args = [args[0].view(B, H, -1), args[1].view(B, H, nc, -1), args[2]]
-            writes = [writes[0].view(B, H, nc, -1)]
+            heads = args[0].shape[1]
+            args[:2] = [args[0].view(B, heads, -1), args[1].view(B, heads, nc, -1)]
+            writes = [writes[0].view(B, heads, nc, -1)]
         fn(*args, *writes)
     return out
 
@@ -133,13 +140,15 @@ def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, **opts):
     """Outputs [B, H, T, dv] of kernel family `fam` for contiguous q [B, H, T, dk] and k, v with
     H or H / group heads (grouped key/value heads; one floating dtype);
     gamma [H] in the accumulation dtype (None where the chain takes none); `state` (the
-    reference's names, accumulation dtype, contiguous, owned by the caller) is advanced in
-    place past the T tokens. opts from `kernel_options`."""
+    reference's names, accumulation dtype, contiguous, owned by the caller; the operator's
+    key/value-only entries with the key/value heads) is advanced in place past the T tokens.
+    opts from `kernel_options`."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
-    mod = module(chain, dk, dv, target, chunk=chunk_size, group=q.shape[1] // k.shape[1], **opts)
-    fns = functions(chain, mod, dk, dv)
+    group = q.shape[1] // k.shape[1]
+    mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, **opts)
+    fns = functions(chain, mod, dk, dv, group)
     base = {"gamma": gamma, **state}
     return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(
         chain, fns, dict(base, q=q, k=k, v=v), out, chunk_size))

@@ -99,3 +99,21 @@ def test_one_head_many_chunks(op):
     want, _ = ref.serial(q, k, v)
     got = hla(q.float(), k.float(), v.float(), chunk_size=16, **kw)
     assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("fam", ["hla2", "hla2d", "ahla", "hla3"])
+def test_key_value_work_runs_once_per_key_value_head(fam):
+    """The prefill calls that run on the key/value heads advance exactly the operator's
+    key/value-only state entries (stored once per key/value head), and nothing else advances
+    them; so with grouped heads that work is done once per key/value head, not per query head."""
+    from hla_tvm import operators
+    from hla_tvm.kernels import chains
+
+    op = {"hla2": operators.get(2, False), "hla2d": operators.get(2, False),
+          "ahla": operators.get(2, True), "hla3": operators.get(3, False)}[fam]
+    chain = chains.prefill(fam)
+    kv_calls = [c for c in chain.calls if c.kv]
+    assert kv_calls and {x for c in kv_calls for x in c.inplace} == set(op.kv_state)
+    assert not {x for c in chain.calls if not c.kv for x in c.inplace} & set(op.kv_state)
+    assert all(x in ("k", "v", "gamma") + op.kv_state for c in kv_calls for x in c.reads
+               if x not in chain.kinds())

@@ -47,15 +47,24 @@ def _tag(opts):
     return "_".join(parts)
 
 
+def _is_decode(q):
+    """True where q [B, H, T, Dk] holds one token (T == 1, static): the decode chain."""
+    T = _shape(q)[2]
+    return isinstance(T, IntImm) and int(T) == 1
+
+
 def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     """(o, new_state list) of operator `op_name` (hla2, ahla, hla3) on q [B, H, T, Dk], k, v
-    with H / group heads (query head h reads key/value head h // group), state entries in the operator's order; gamma [H] or None (no decay). Emits
-    the kernel chain of `kernels.chains`: T == 1 (static) its decode, any other T its prefill."""
+    with H / group heads (query head h reads key/value head h // group), state entries in the
+    operator's order (prefill: the k/v-only entries with the key/value heads; decode: every
+    entry with the query heads); gamma [H] or None (no decay). Emits the kernel chain of
+    `kernels.chains`: T == 1 (static) its decode, any other T its prefill."""
     B, H, T, dk = _shape(q)
     dv, dk = int(_shape(v)[-1]), int(dk)
-    group = int(H) // int(_shape(k)[1])
+    Hkv = _shape(k)[1]
+    group = int(H) // int(Hkv)
     acc = _tir.accum_dtype(dtype)
-    decode = isinstance(T, IntImm) and int(T) == 1
+    decode = _is_decode(q)
     fam = chains.family(op_name, decayed=gamma is not None, decode=decode)
     chain = chains.decode(fam) if decode else chains.prefill(fam)
     if gamma is None and chain.takes_gamma:
@@ -63,22 +72,27 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     tag = _tag({"dtype": dtype, "chunk": chunk, **opts}) + (f"_g{group}" if group > 1 else "")
     nc = (T + chunk - 1) // chunk
     env = {"q": q, "k": k, "v": v, "gamma": gamma, **dict(zip(chain.state_names, state))}
+    gamma_kv = gamma   # the kv calls' decay: each group's first query head
+    if group > 1 and gamma is not None:
+        gamma_kv = bb.emit(relax.op.strided_slice(gamma, axes=[0], begin=[0], end=[int(H)],
+                                                  strides=[group]))
     for call in chain.calls:
-        name = chains.kernel_name(chain, call, dk, dv)
+        name = chains.kernel_name(chain, call, dk, dv, group)
         gv = _add(bb, f"{name}_{acc}" if call.kernel == "scan" else f"{name}_d{dk}x{dv}_{tag}",
                   lambda: chains.make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype,
                                              group=group, **opts))
-        args = [env[x] for x in call.reads]
+        args = [gamma_kv if call.kv and x == "gamma" else env[x] for x in call.reads]
+        heads = Hkv if call.kv else H
         types = [_tt(_shape(args[call.reads.index(x)]), acc) for x in call.inplace]
         types += [_tt([B, H, T, dv], dtype) if kind == "o" else
-                  _tt([B, H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk)], acc)
+                  _tt([B, heads, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk)], acc)
                   for _, kind in call.writes]
         shapes = [list(ty.shape) for ty in types]   # each result's shape outside the call
         if call.kernel == "scan":   # element-wise: state, increments and record flattened
             w = chains.scan_width(call.writes[0][1], dk, dv)
-            args[0] = bb.emit(relax.op.reshape(args[0], [B, H, w]))
-            args[1] = bb.emit(relax.op.reshape(args[1], [B, H, nc, w]))
-            types = [_tt([B, H, w], acc), _tt([B, H, nc, w], acc)]
+            args[0] = bb.emit(relax.op.reshape(args[0], [B, heads, w]))
+            args[1] = bb.emit(relax.op.reshape(args[1], [B, heads, nc, w]))
+            types = [_tt([B, heads, w], acc), _tt([B, heads, nc, w], acc)]
         if call.inplace:
             idx = [call.reads.index(x) for x in call.inplace] + [-1] * len(call.writes)
             res = bb.emit(relax.call_tir_inplace(gv, args, idx, types))
@@ -112,8 +126,8 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     """(o, new_state list) of one HLA operator call with grouped key/value heads: q [B, H, T, Dk],
     k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], state entries in `state_names` order (k/v-only entries
     with Hkv heads; empty for a fresh sequence, which starts from zeros), decay: per-query-head
-    gamma [H] or None. The kernels run H heads, reading key/value head h // group of k, v; the
-    k/v-only entries are repeated, and the new ones keep each group's first."""
+    gamma [H] or None. The kernels run H heads, reading key/value head h // group of k, v and of
+    the k/v-only entries (prefill); decode repeats those and keeps each group's first."""
     op = operators.get(order, asymmetric)
     H, Hkv = int(q.ty.shape[1]), int(k.ty.shape[1])
     group = H // Hkv
@@ -121,13 +135,15 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     if not state:   # a fresh sequence
         shapes = op.state_shapes(_shape(q)[0], H, Hkv, int(q.ty.shape[3]), int(v.ty.shape[3]))
         state = zero_state(bb, q, [list(shapes[n]) for n in names])
-    if group > 1:   # the kernels read key/value head h // group of k, v themselves
+    # the prefill kernels take the k/v-only entries per key/value head; decode the query heads'
+    repeat = group > 1 and _is_decode(q)
+    if repeat:
         state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s
                  for n, s in zip(names, state)]
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     out, new_state = emit_hla(bb, op.name, q, k, v, list(state), decay, chunk=int(chunk),
                               dtype=str(q.ty.dtype), **opts)
-    if group > 1:
+    if repeat:
         new_state = [bb.emit(relax.op.strided_slice(s, axes=[1], begin=[0], end=[H],
                                                     strides=[group]))
                      if n in op.kv_state else s for n, s in zip(names, new_state)]

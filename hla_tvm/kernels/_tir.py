@@ -53,8 +53,10 @@ def transpose(dst, src, b, hh, c, rows, cols, name):
 
 
 @T.macro
-def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=False):
-    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed).
+def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=False, agroup=1,
+           bgroup=1):
+    """dst[i, j] = sum_r a[i, r] bm[r, j] for one chunk (a[r, i] when a_transposed); a and bm
+    of head h // agroup and h // bgroup (key/value-head buffers of grouped heads).
 
     causal=True sums over r <= i only, by selection: for a product whose row i is an output
     token and r a token of the same chunk, the later tokens r > i must not reach row i even
@@ -67,19 +69,19 @@ def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=Fal
             if causal:
                 if a_transposed:
                     dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] + T.Select(
-                        vr <= vi, a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj],
+                        vr <= vi, a[vb, vh // agroup, vc, vr, vi] * bm[vb, vh // bgroup, vc, vr, vj],
                         const(0, dst.dtype))
                 else:
                     dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] + T.Select(
-                        vr <= vi, a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj],
+                        vr <= vi, a[vb, vh // agroup, vc, vi, vr] * bm[vb, vh // bgroup, vc, vr, vj],
                         const(0, dst.dtype))
             else:
                 if a_transposed:
                     dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                        + a[vb, vh, vc, vr, vi] * bm[vb, vh, vc, vr, vj]
+                        + a[vb, vh // agroup, vc, vr, vi] * bm[vb, vh // bgroup, vc, vr, vj]
                 else:
                     dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                        + a[vb, vh, vc, vi, vr] * bm[vb, vh, vc, vr, vj]
+                        + a[vb, vh // agroup, vc, vi, vr] * bm[vb, vh // bgroup, vc, vr, vj]
 
 
 def gpow(lg, x, dtype):
@@ -102,9 +104,10 @@ def chunk_len(c, n, L):
     return T.min(T.int64(n), L - c * n)
 
 
-def chunk_scan(width: int, dtype="float32"):
+def chunk_scan(width: int, dtype="float32", *, group=1, decayed=True):
     """Sequential scan over chunks of an element-wise linear recurrence, state X [B, H, width]
-    updated in place:  Xc[c] = X;  X = gl[c] X + dX[c]   (gl: the chunk's decay gamma^len).
+    updated in place:  Xc[c] = X;  X = gl[c] X + dX[c]   (gl: the chunk's decay gamma^len, of
+    head h // group: the key/value head's, shared by its group; decayed=False: gl = 1, no gl).
 
     Every HLA state that is not a plain prefix sum advances this way once its cross-term
     increments dX are known, so the sequential work of a prefill is element-wise only."""
@@ -117,7 +120,7 @@ def chunk_scan(width: int, dtype="float32"):
         NC = T.int64()
         X = T.match_buffer(X_h, (B, H, width), acc)
         dX = T.match_buffer(dX_h, (B, H, NC, width), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
         for b, h in T.grid(B, H):
             for c in T.serial(NC):
@@ -130,9 +133,31 @@ def chunk_scan(width: int, dtype="float32"):
                         vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
                         with T.init():
                             X[vb, vh, vi] = X[vb, vh, vi]
-                        X[vb, vh, vi] = gl[vb, vh, vc] * X[vb, vh, vi] + dX[vb, vh, vc, vi]
+                        X[vb, vh, vi] = gl[vb, vh // group, vc] * X[vb, vh, vi] \
+                            + dX[vb, vh, vc, vi]
 
-    return scan
+    @T.prim_func(s_tir=True)
+    def prefix_sum(X_h: T.handle, dX_h: T.handle, Xc_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        NC = T.int64()
+        X = T.match_buffer(X_h, (B, H, width), acc)
+        dX = T.match_buffer(dX_h, (B, H, NC, width), acc)
+        Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
+        for b, h in T.grid(B, H):
+            for c in T.serial(NC):
+                for i in T.serial(width):
+                    with T.sblock("record"):
+                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
+                for i in T.serial(width):
+                    with T.sblock("advance"):
+                        vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
+                        with T.init():
+                            X[vb, vh, vi] = X[vb, vh, vi]
+                        X[vb, vh, vi] = X[vb, vh, vi] + dX[vb, vh, vc, vi]
+
+    return scan if decayed else prefix_sum
 
 
 @T.macro
@@ -244,17 +269,20 @@ def cross_step(P, m, E, n, g, qa, ka, va, x, o, b, h, dk, dv, eps, normalize):
 
 
 @T.macro
-def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name):
-    """dst[i] = sum_r a[i, r] x[r] for one chunk (a[r, i] when a_transposed)."""
+def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name, agroup=1, xgroup=1):
+    """dst[i] = sum_r a[i, r] x[r] for one chunk (a[r, i] when a_transposed); a and x of head
+    h // agroup and h // xgroup."""
     for i, r in T.grid(rows, red):
         with T.sblock(name):
             vb, vh, vc, vi, vr = T.axis.remap("SSSSR", [b, hh, c, i, r])
             with T.init():
                 dst[vb, vh, vc, vi] = const(0, dst.dtype)
             if a_transposed:
-                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vr, vi] * x[vb, vh, vc, vr]
+                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] \
+                    + a[vb, vh // agroup, vc, vr, vi] * x[vb, vh // xgroup, vc, vr]
             else:
-                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] + a[vb, vh, vc, vi, vr] * x[vb, vh, vc, vr]
+                dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] \
+                    + a[vb, vh // agroup, vc, vi, vr] * x[vb, vh // xgroup, vc, vr]
 
 
 def zero_state(tails, dtype="float32"):

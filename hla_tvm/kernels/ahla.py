@@ -2,15 +2,17 @@
 gamma = 1 for none). State (P, m, E, n); chunk form, local t = 1..len, A = L * (Q K^T),
 Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s), R = K^T Q:
 
-    chunk_summary  R, dP = K^T (tail V), dm = K^T tail, dE = K^T (A (tail V)), dn = K^T (A tail),
-                   gl = g^len                                                   (parallel)
-    chunk_scan     P, m: record Pc, mc, advance                                  (sequential)
+    chunk_ksummary dP = K^T (tail V), dm = K^T tail, gl = g^len, per key/value head (parallel)
+    chunk_summary  R, dE = K^T (A (tail V)), dn = K^T (A tail)                   (parallel)
+    chunk_scan     P, m (key/value heads): record Pc, mc, advance               (sequential)
     chunk_cross    ddE = gl R Pc + dE,  ddn = gl R mc + dn                       (parallel)
     chunk_scan     E, n with ddE, ddn: record Ec, nc, advance                   (sequential)
     chunk_output   O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V           (parallel)
                    [/ (g^t (Q nc + (A Q) mc) + ((A A) * Gamma) 1 + eps)]
     decode         one token in place: P = gP + k v^T, m = gm + k, E = gE + k (q^T P),
                    n = gn + k (q^T m), o = q^T E [/ (q^T n + eps)]
+With grouped heads (group > 1) the key/value-head buffers (P, m, dP, dm, Pc, mc, gl) are read at
+head h // group by query head h (the decay is equal within a group).
 """
 from __future__ import annotations
 
@@ -53,17 +55,53 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", grou
     return ahla_decode
 
 
+def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
+    """Per chunk of the key/value heads: dP = K^T (tail V) [B, H, NC, dk, dv],
+    dm = K^T tail [.., dk], gl = g^len [B, H, NC]; k, v [B, H, T, .], g [H]."""
+    io, acc = dtype, accum_dtype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def ahla_chunk_ksummary(k_h: T.handle, v_h: T.handle, g_h: T.handle, dP_h: T.handle,
+                            dm_h: T.handle, gl_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
+            for s, x in T.grid(n, dv):
+                with T.sblock("Vt"):
+                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
+                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
+            _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
+
+    return ahla_chunk_ksummary
+
+
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: R = K^T Q, dP = K^T (tail V), dm = K^T tail, dE = K^T (A (tail V)),
-    dn = K^T (A tail), gl = g^len. Shapes: R [B, H, NC, dk, dk], dP, dE [B, H, NC, dk, dv],
-    dm, dn [B, H, NC, dk], gl [B, H, NC]."""
+    """Per chunk: R = K^T Q, dE = K^T (A (tail V)), dn = K^T (A tail).
+    Shapes: R [B, H, NC, dk, dk], dE [B, H, NC, dk, dv], dn [B, H, NC, dk]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def ahla_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                           R_h: T.handle, dP_h: T.handle, dm_h: T.handle, dE_h: T.handle,
-                           dn_h: T.handle, gl_h: T.handle):
+                           R_h: T.handle, dE_h: T.handle, dn_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -73,11 +111,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
-        dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
-        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
         dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
         dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        gl = T.sblock_alloc_buffer((B, H, NC), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
@@ -99,8 +135,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                     vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
                     Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
             _matmul(R, Kc, Qc, b, hh, c, dk, dk, n, True, "R")
-            _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
-            _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):
                 with T.sblock("A"):
@@ -114,8 +148,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     return ahla_chunk_summary
 
 
-def chunk_cross(dk: int, dv: int, *, dtype="float32"):
-    """Cross-term increments of E and n per chunk: ddE = gl R Pc + dE, ddn = gl R mc + dn."""
+def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
+    """Cross-term increments of E and n per chunk: ddE = gl R Pc + dE, ddn = gl R mc + dn;
+    Pc, mc, gl of the key/value heads [B, H / group, NC, ..]."""
     acc = accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
@@ -125,33 +160,34 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
         H = T.int64()
         NC = T.int64()
         R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
-        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
-        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
         dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
         dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
         ddE = T.match_buffer(ddE_h, (B, H, NC, dk, dv), acc)
         ddn = T.match_buffer(ddn_h, (B, H, NC, dk), acc)
         RP = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
         Rm = T.sblock_alloc_buffer((B, H, NC, dk), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _matmul(RP, R, Pc, b, hh, c, dk, dv, dk, False, "RP")
+            _matmul(RP, R, Pc, b, hh, c, dk, dv, dk, False, "RP", bgroup=group)
             for i, j in T.grid(dk, dv):
                 with T.sblock("ddE"):
                     vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    ddE[vb, vh, vc, vi, vj] = gl[vb, vh, vc] * RP[vb, vh, vc, vi, vj] + dE[vb, vh, vc, vi, vj]
-            _matvec(Rm, R, mc, b, hh, c, dk, dk, False, "Rm")
+                    ddE[vb, vh, vc, vi, vj] = gl[vb, vh // group, vc] * RP[vb, vh, vc, vi, vj] + dE[vb, vh, vc, vi, vj]
+            _matvec(Rm, R, mc, b, hh, c, dk, dk, False, "Rm", xgroup=group)
             for i in T.serial(dk):
                 with T.sblock("ddn"):
                     vb, vh, vc, vi = T.axis.remap("SSSS", [b, hh, c, i])
-                    ddn[vb, vh, vc, vi] = gl[vb, vh, vc] * Rm[vb, vh, vc, vi] + dn[vb, vh, vc, vi]
+                    ddn[vb, vh, vc, vi] = gl[vb, vh // group, vc] * Rm[vb, vh, vc, vi] + dn[vb, vh, vc, vi]
 
     return ahla_chunk_cross
 
 
 def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
     """O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V  [/ (g^t (Q nc + (A Q) mc)
-    + ((A A) * Gamma) 1 + eps)] per chunk; Ec, Pc [B, H, NC, dk, dv], nc, mc [B, H, NC, dk]."""
+    + ((A A) * Gamma) 1 + eps)] per chunk; Ec [B, H, NC, dk, dv], nc [B, H, NC, dk] and the
+    key/value heads' Pc [B, H / group, NC, dk, dv], mc [B, H / group, NC, dk]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
@@ -168,9 +204,9 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         Ec = T.match_buffer(Ec_h, (B, H, NC, dk, dv), acc)
-        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
+        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
         nc = T.match_buffer(nc_h, (B, H, NC, dk), acc)
-        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
         o = T.match_buffer(o_h, (B, H, L, dv), io)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
@@ -205,7 +241,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                     M[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt, AA[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
             _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
-            _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP")
+            _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP", bgroup=group)
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
             if normalize:
                 for t, i in T.grid(n, dk + n):
@@ -217,7 +253,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             vi < dk,
                             pw[vb, vh, vc, vt + 1] * (
                                 Qc[vb, vh, vc, vt, T.min(vi, dk - 1)] * nc[vb, vh, vc, T.min(vi, dk - 1)]
-                                + AQ[vb, vh, vc, vt, T.min(vi, dk - 1)] * mc[vb, vh, vc, T.min(vi, dk - 1)]),
+                                + AQ[vb, vh, vc, vt, T.min(vi, dk - 1)] * mc[vb, vh // group, vc, T.min(vi, dk - 1)]),
                             M[vb, vh, vc, vt, T.max(vi - dk, 0)])
             for t, x in T.grid(n, dv):
                 with T.sblock("o"):

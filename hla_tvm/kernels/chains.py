@@ -9,10 +9,18 @@ kernels is made here only.
 Kernel families: hla2 (second order, undecayed prefill: one-product carry), hla2d (second order
 with decay; its decode also serves undecayed second order with gamma = 1), ahla, hla3.
 
-    hla2 prefill     summary -> carry (in place on the state) -> output
-    hla2d, ahla,     summary -> scans of the prefix sums -> cross -> scans of the cross-term
-    hla3 prefill     states -> output
+    hla2 prefill     ksummary -> scan of S -> summary -> carry (in place on the state) -> output
+    hla2d, ahla,     ksummary (+ summary) -> scans of the prefix sums -> cross -> scans of the
+    hla3 prefill     cross-term states -> output
     decode           one in-place state update and readout
+
+Key/value heads: a call marked kv (the ksummary and the scans of the state entries built from
+k, v alone, the operator's `kv_state`) runs on the key/value heads, so with grouped heads its
+work is done once per key/value head; gamma is then read at the first query head of each group
+(the decay is equal within a group). Every other kernel runs on the query heads and reads the
+key/value-head buffers (k, v, those state entries, their records, the ksummary's writes) at
+head h // group. The prefill takes the kv_state entries with the key/value heads, as the
+operator's state holds them; decode takes every entry with the query heads.
 
 Reads name the inputs q, k, v, gamma ([H] decay, ones for none), the state entries (the
 reference's names) and earlier writes; a kernel takes its reads in order, then its writes.
@@ -20,7 +28,8 @@ Kinds of written buffers: per (batch, head, chunk) "kk" [Dk, Dk], "kv" [Dk, Dv],
 "1" (one value), "nn" [n, n], "nv" [n, Dv], "n" [n] (n the chunk size), in the accumulation
 dtype; "o" is the output [B, H, T, Dv] in the input dtype.
 A "scan" call (`_tir.chunk_scan`) sees its state [B, H, width] and its increments and record
-[B, H, NC, width] flattened to the width of the increments' kind.
+[B, H, NC, width] flattened to the width of the increments' kind; without "gl" among its reads it
+is a plain prefix sum.
 """
 from __future__ import annotations
 
@@ -36,10 +45,11 @@ KIND_SHAPES = {"kk": lambda dk, dv, n: (dk, dk), "kv": lambda dk, dv, n: (dk, dv
 
 @dataclass(frozen=True)
 class Call:
-    kernel: str         # summary | carry | cross | output | scan | decode
+    kernel: str         # ksummary | summary | carry | cross | output | scan | decode
     reads: tuple        # argument names, in the kernel's order
     writes: tuple       # (name, kind) of the new buffers, passed after the reads
     inplace: tuple = ()  # the state entries among `reads` that the kernel advances in place
+    kv: bool = False    # runs on the key/value heads (module docstring)
 
 
 @dataclass(frozen=True)
@@ -59,42 +69,53 @@ class Chain:
         """{buffer name: kind} of every write."""
         return {name: kind for c in self.calls for name, kind in c.writes}
 
+    def kv_buffers(self):
+        """Names of the buffers with the key/value heads: the kv calls' state entries and
+        writes."""
+        return {x for c in self.calls if c.kv for x in c.inplace + tuple(n for n, _ in c.writes)}
 
-def _scan(x, dx, kind):
-    """Advance state entry x in place by the per-chunk increments dx; xc records x per chunk."""
-    return Call("scan", (x, dx, "gl"), ((x + "c", kind),), inplace=(x,))
+
+def _scan(x, dx, kind, kv=False, decayed=True):
+    """Advance state entry x in place by the per-chunk increments dx (times the chunk's decay
+    gl first where decayed); xc records x per chunk."""
+    return Call("scan", (x, dx) + (("gl",) if decayed else ()), ((x + "c", kind),),
+                inplace=(x,), kv=kv)
 
 
 _PREFILL = {
     "hla2": (
+        Call("ksummary", ("k",), (("dS", "kk"),), kv=True),
+        _scan("S", "dS", "kk", kv=True, decayed=False),
         Call("summary", ("q", "k", "v"),
-             (("dS", "kk"), ("dC", "kv"), ("dm", "k"), ("dX", "kv"), ("dr", "k"))),
-        Call("carry", ("dS", "dC", "dm", "dX", "dr", "S", "C", "m", "G", "h"),
-             (("Sc", "kk"), ("Xc", "kv"), ("rc", "k")), inplace=("S", "C", "m", "G", "h")),
+             (("dC", "kv"), ("dm", "k"), ("dX", "kv"), ("dr", "k"))),
+        Call("carry", ("dC", "dm", "dX", "dr", "Sc", "S", "C", "m", "G", "h"),
+             (("Xc", "kv"), ("rc", "k")), inplace=("C", "m", "G", "h")),
         Call("output", ("q", "k", "v", "Sc", "Xc", "rc"), (("o", "o"),)),
     ),
     "hla2d": (
+        Call("ksummary", ("k", "gamma"), (("dS", "kk"), ("KK", "kk"), ("gl", "1")), kv=True),
         Call("summary", ("q", "k", "v", "gamma"),
-             (("dS", "kk"), ("dC", "kv"), ("dm", "k"), ("KK", "kk"), ("dG", "kv"), ("dh", "k"),
-              ("gl", "1"))),
-        _scan("S", "dS", "kk"), _scan("C", "dC", "kv"), _scan("m", "dm", "k"),
+             (("dC", "kv"), ("dm", "k"), ("dG", "kv"), ("dh", "k"))),
+        _scan("S", "dS", "kk", kv=True), _scan("C", "dC", "kv"), _scan("m", "dm", "k"),
         Call("cross", ("KK", "Cc", "mc", "dG", "dh", "gl", "gamma"),
              (("ddG", "kv"), ("ddh", "k"))),
         _scan("G", "ddG", "kv"), _scan("h", "ddh", "k"),
         Call("output", ("q", "k", "v", "gamma", "Sc", "Cc", "mc", "Gc", "hc"), (("o", "o"),)),
     ),
     "ahla": (
-        Call("summary", ("q", "k", "v", "gamma"),
-             (("R", "kk"), ("dP", "kv"), ("dm", "k"), ("dE", "kv"), ("dn", "k"), ("gl", "1"))),
-        _scan("P", "dP", "kv"), _scan("m", "dm", "k"),
+        Call("ksummary", ("k", "v", "gamma"), (("dP", "kv"), ("dm", "k"), ("gl", "1")),
+             kv=True),
+        Call("summary", ("q", "k", "v", "gamma"), (("R", "kk"), ("dE", "kv"), ("dn", "k"))),
+        _scan("P", "dP", "kv", kv=True), _scan("m", "dm", "k", kv=True),
         Call("cross", ("R", "Pc", "mc", "dE", "dn", "gl"), (("ddE", "kv"), ("ddn", "k"))),
         _scan("E", "ddE", "kv"), _scan("n", "ddn", "k"),
         Call("output", ("q", "k", "v", "gamma", "Ec", "Pc", "nc", "mc"), (("o", "o"),)),
     ),
     "hla3": (
-        Call("summary", ("gamma", "k", "v"),
-             (("dS", "kk"), ("dP", "kv"), ("dm", "k"), ("gl", "1"))),
-        _scan("S", "dS", "kk"), _scan("P", "dP", "kv"), _scan("m", "dm", "k"),
+        Call("ksummary", ("gamma", "k", "v"),
+             (("dS", "kk"), ("dP", "kv"), ("dm", "k"), ("gl", "1")), kv=True),
+        _scan("S", "dS", "kk", kv=True), _scan("P", "dP", "kv", kv=True),
+        _scan("m", "dm", "k", kv=True),
         Call("cross", ("q", "k", "v", "gamma", "Sc", "Pc", "mc"),
              (("ddF", "kv"), ("ddeta", "k"), ("M", "nn"), ("Y", "nv"), ("y", "n"))),
         _scan("F", "ddF", "kv"), _scan("eta", "ddeta", "k"),
@@ -130,10 +151,14 @@ def scan_width(kind, dk, dv):
     return w
 
 
-def kernel_name(chain, call, dk, dv):
-    """The function name of `call` in a module holding `chain`'s kernels."""
+def kernel_name(chain, call, dk, dv, group=1):
+    """The function name of `call` in a module holding `chain`'s kernels for H / group
+    key/value heads."""
     if call.kernel == "scan":
-        return f"chunk_scan_w{scan_width(call.writes[0][1], dk, dv)}"
+        name = "chunk_scan" if "gl" in call.reads else "chunk_psum"
+        grouped = group > 1 and not call.kv and "gl" in call.reads
+        return f"{name}_w{scan_width(call.writes[0][1], dk, dv)}" + (f"_g{group}" if grouped
+                                                                      else "")
     if call.kernel == "decode":
         return f"{chain.family}_decode"
     return f"{chain.family}_chunk_{call.kernel}"
@@ -141,22 +166,28 @@ def kernel_name(chain, call, dk, dv):
 
 def make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
     """The PrimFunc of `call`; opts: normalize, eps (and masked, ridge for second order). With
-    group > 1 the kernels reading k, v take them with H / group heads (grouped key/value heads:
-    query head h reads key/value head h // group)."""
+    group > 1 the query-head kernels read k, v and the other key/value-head buffers with
+    H / group heads (query head h reads key/value head h // group)."""
     kmod = KERNELS[chain.family]
     if call.kernel == "scan":
-        return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype)
+        return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype,
+                               group=1 if call.kv else group, decayed="gl" in call.reads)
     if call.kernel == "decode":
         return kmod.decode(dk, dv, dtype=dtype, group=group, **opts)
+    if call.kernel == "ksummary":
+        if "v" in call.reads:
+            return kmod.chunk_ksummary(dk, dv, chunk, dtype=dtype)
+        return kmod.chunk_ksummary(dk, chunk, dtype=dtype)
     if call.kernel == "summary":
         return kmod.chunk_summary(dk, dv, chunk, dtype=dtype, group=group)
     if call.kernel == "carry":
-        return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype)
+        return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype,
+                                group=group)
     if call.kernel == "cross":
         if "q" in call.reads:   # a cross kernel that reads the chunk's tokens
             return kmod.chunk_cross(dk, dv, chunk, dtype=dtype, group=group)
-        return kmod.chunk_cross(dk, dv, dtype=dtype)
-    if "k" not in call.reads:   # an output kernel that reads no keys or values
+        return kmod.chunk_cross(dk, dv, dtype=dtype, group=group)
+    if "k" not in call.reads:   # an output kernel that reads no key/value-head buffers
         return kmod.chunk_output(dk, dv, chunk, dtype=dtype, **opts)
     return kmod.chunk_output(dk, dv, chunk, dtype=dtype, group=group, **opts)
 
@@ -165,7 +196,7 @@ def kernels(chain, dk, dv, *, chunk, dtype, group=1, **opts):
     """{function name: PrimFunc} of every kernel `chain` calls."""
     out = {}
     for call in chain.calls:
-        name = kernel_name(chain, call, dk, dv)
+        name = kernel_name(chain, call, dk, dv, group)
         if name not in out:
             out[name] = make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype, group=group,
                                     **opts)

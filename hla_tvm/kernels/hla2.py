@@ -5,15 +5,18 @@ symbolic, head sizes and the chunk size are fixed at build time. The functions m
 `hla_tvm.reference.hla2` and are composed by `hla_tvm.backend` (one token: `hla2_decay.decode`
 with gamma = 1):
 
-    chunk_summary      per chunk c:  dS = K^T K, dC = Q^T V, dm = Q^T 1,
+    chunk_ksummary     per chunk c, per key/value head:  dS = K^T K
+    chunk_scan         (_tir, plain prefix sum) S: records Sc[c] = S before chunk c, advances
+    chunk_summary      per chunk c:  dC = Q^T V, dm = Q^T 1,
                        dX = K^T (((K Q^T) * U) V), dr = K^T (((K Q^T) * U) 1)    (U: j <= s)
-    chunk_carry        sequential over chunks, in place on the state: records the readout
-                       matrices of each chunk, then X += S dC + dX, r += S dm + dr,
-                       S += dS, C += dC, m += dm;  X = S C - G, r = S m - h
+    chunk_carry        sequential over chunks, in place on (C, m, G, h): records the readout
+                       matrices of each chunk, then X += Sc dC + dX, r += Sc dm + dr,
+                       C += dC, m += dm;  X = S C - G, r = S m - h
     chunk_output       per chunk, from the recorded readout (see `chunk_output`)
 
 X = S C - G obeys X_t = X_{t-1} + S_t q_t v_t^T, so the carry needs one d x d x dv product a
-chunk; G and h are recovered at the end as S C - X and S m - r.
+chunk; G and h are recovered at the end as S C - X and S m - r. With grouped heads (group > 1)
+S, dS and Sc belong to the key/value heads: query head h reads those of head h // group.
 """
 from __future__ import annotations
 
@@ -25,17 +28,38 @@ from ._tir import accum_dtype, const, matmul as _matmul, matvec as _matvec, stag
     transpose as _transpose
 
 
+def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
+    """Per chunk c (rows c*n .. c*n+n-1, zero past T): dS = K^T K.
+    Shapes: k [B, H, T, dk] (H: the key/value heads), dS [B, H, NC, dk, dk]."""
+    io, acc = dtype, accum_dtype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def hla2_chunk_ksummary(k_h: T.handle, dS_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
+
+    return hla2_chunk_ksummary
+
+
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T):
-    dS = K^T K, dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
-    Shapes: q, k [B, H, T, dk], v [B, H, T, dv]; dS [B, H, NC, dk, dk], dC, dX [B, H, NC, dk, dv],
-    dm, dr [B, H, NC, dk]."""
+    dC = Q^T V, dm = Q^T 1, dX = K^T (A V), dr = K^T (A 1), A[j, s] = k_j.q_s for j <= s.
+    Shapes: q [B, H, T, dk], k [B, H / group, T, dk], v [B, H / group, T, dv];
+    dC, dX [B, H, NC, dk, dv], dm, dr [B, H, NC, dk]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
-    def hla2_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
-                           dC_h: T.handle, dm_h: T.handle, dX_h: T.handle, dr_h: T.handle):
+    def hla2_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, dC_h: T.handle,
+                           dm_h: T.handle, dX_h: T.handle, dr_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -43,7 +67,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         q = T.match_buffer(q_h, (B, H, L, dk), io)
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
-        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
         dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), acc)
@@ -61,7 +84,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
-            _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dC, QT, Vc, b, hh, c, dk, dv, n, False, "dC")
             for i, t in T.grid(dk, n):
                 with T.sblock("dm"):
@@ -87,38 +109,38 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     return hla2_chunk_summary
 
 
-def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
-    """Sequential scan over chunks, state (S, C, m, G, h) [B, H, ...] updated in place.
+def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32", group=1):
+    """Sequential scan over chunks, state (C, m, G, h) [B, H, ...] updated in place, from the
+    records Sc [B, H / group, NC, dk, dk] of S before each chunk and the advanced S.
 
-    Before chunk c it records the chunk's readout: Sc[c] = S and
-        masked:   Xc[c] = (S + lI) C - G,  rc[c] = (S + lI) m - h
-        unmasked: Xc[c] = C,               rc[c] = m
-    then X += S dC + dX, r += S dm + dr, S += dS, C += dC, m += dm, with X = S C - G, r = S m - h
-    (X, r start from the state's G, h and give them back at the end)."""
+    Before chunk c it records the chunk's readout:
+        masked:   Xc[c] = (Sc + lI) C - G,  rc[c] = (Sc + lI) m - h
+        unmasked: Xc[c] = C,                rc[c] = m
+    then X += Sc dC + dX, r += Sc dm + dr, C += dC, m += dm, with X = S C - G, r = S m - h
+    (X, r start from the state's G, h with S = Sc[0] and give them back at the end with the
+    advanced S)."""
     acc = accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
     msk = 1.0 if masked else 0.0
 
     @T.prim_func(s_tir=True)
-    def hla2_chunk_carry(dS_h: T.handle, dC_h: T.handle, dm_h: T.handle, dX_h: T.handle,
-                         dr_h: T.handle, S_h: T.handle, C_h: T.handle, m_h: T.handle,
-                         G_h: T.handle, h_h: T.handle, Sc_h: T.handle, Xc_h: T.handle,
-                         rc_h: T.handle):
+    def hla2_chunk_carry(dC_h: T.handle, dm_h: T.handle, dX_h: T.handle, dr_h: T.handle,
+                         Sc_h: T.handle, S_h: T.handle, C_h: T.handle, m_h: T.handle,
+                         G_h: T.handle, h_h: T.handle, Xc_h: T.handle, rc_h: T.handle):
         B = T.int64()
         H = T.int64()
         NC = T.int64()
-        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
         dX = T.match_buffer(dX_h, (B, H, NC, dk, dv), acc)
         dr = T.match_buffer(dr_h, (B, H, NC, dk), acc)
-        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
+        Sc = T.match_buffer(Sc_h, (B, H // group, NC, dk, dk), acc)
+        S = T.match_buffer(S_h, (B, H // group, dk, dk), acc)
         C = T.match_buffer(C_h, (B, H, dk, dv), acc)
         m = T.match_buffer(m_h, (B, H, dk), acc)
         G = T.match_buffer(G_h, (B, H, dk, dv), acc)
         h_ = T.match_buffer(h_h, (B, H, dk), acc)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
         rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
         for b, h in T.grid(B, H):
@@ -129,18 +151,14 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
                     vb, vh, vi, vj, vl = T.axis.remap("SSSSR", [b, h, i, j, l])
                     with T.init():
                         X[vi, vj] = _c(0) - G[vb, vh, vi, vj]
-                    X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+                    X[vi, vj] = X[vi, vj] + Sc[vb, vh // group, 0, vi, vl] * C[vb, vh, vl, vj]
             for i, l in T.grid(dk, dk):
                 with T.sblock("r0"):    # r = S m - h
                     vb, vh, vi, vl = T.axis.remap("SSSR", [b, h, i, l])
                     with T.init():
                         r[vi] = _c(0) - h_[vb, vh, vi]
-                    r[vi] = r[vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+                    r[vi] = r[vi] + Sc[vb, vh // group, 0, vi, vl] * m[vb, vh, vl]
             for c in T.serial(NC):
-                for i, j in T.grid(dk, dk):
-                    with T.sblock("Sc"):
-                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
-                        Sc[vb, vh, vc, vi, vj] = S[vb, vh, vi, vj]
                 for i, j in T.grid(dk, dv):
                     with T.sblock("Xc"):
                         vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
@@ -152,27 +170,21 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
                         rc[vb, vh, vc, vi] = _c(msk) * r[vi] \
                             + _c(lam * msk + 1.0 - msk) * m[vb, vh, vi]
                 for i, j, l in T.grid(dk, dv, dk):
-                    with T.sblock("X"):     # X += dX + S dC
+                    with T.sblock("X"):     # X += dX + Sc dC
                         vb, vh, vc, vi, vj, vl = T.axis.remap("SSSSSR", [b, h, c, i, j, l])
                         with T.init():
                             X[vi, vj] = X[vi, vj] + dX[vb, vh, vc, vi, vj]
-                        X[vi, vj] = X[vi, vj] + S[vb, vh, vi, vl] * dC[vb, vh, vc, vl, vj]
+                        X[vi, vj] = X[vi, vj] \
+                            + Sc[vb, vh // group, vc, vi, vl] * dC[vb, vh, vc, vl, vj]
                 for i, l in T.grid(dk, dk):
-                    with T.sblock("r"):     # r += dr + S dm
+                    with T.sblock("r"):     # r += dr + Sc dm
                         vb, vh, vc, vi, vl = T.axis.remap("SSSSR", [b, h, c, i, l])
                         with T.init():
                             r[vi] = r[vi] + dr[vb, vh, vc, vi]
-                        r[vi] = r[vi] + S[vb, vh, vi, vl] * dm[vb, vh, vc, vl]
-                for i, j in T.grid(dk, dk):
-                    with T.sblock("S"):
-                        vu = T.axis.reduce(1, 0)   # in place (see _tir)
-                        vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
-                        with T.init():
-                            S[vb, vh, vi, vj] = S[vb, vh, vi, vj]
-                        S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + dS[vb, vh, vc, vi, vj]
+                        r[vi] = r[vi] + Sc[vb, vh // group, vc, vi, vl] * dm[vb, vh, vc, vl]
                 for i, j in T.grid(dk, dv):
                     with T.sblock("C"):
-                        vu = T.axis.reduce(1, 0)
+                        vu = T.axis.reduce(1, 0)   # in place (see _tir)
                         vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, h, c, i, j])
                         with T.init():
                             C[vb, vh, vi, vj] = C[vb, vh, vi, vj]
@@ -189,13 +201,14 @@ def chunk_carry(dk: int, dv: int, *, masked=True, ridge=0.0, dtype="float32"):
                     vb, vh, vi, vj, vl = T.axis.remap("SSSSR", [b, h, i, j, l])
                     with T.init():
                         G[vb, vh, vi, vj] = _c(0) - X[vi, vj]
-                    G[vb, vh, vi, vj] = G[vb, vh, vi, vj] + S[vb, vh, vi, vl] * C[vb, vh, vl, vj]
+                    G[vb, vh, vi, vj] = G[vb, vh, vi, vj] \
+                        + S[vb, vh // group, vi, vl] * C[vb, vh, vl, vj]
             for i, l in T.grid(dk, dk):
                 with T.sblock("h"):     # h = S m - r
                     vb, vh, vi, vl = T.axis.remap("SSSR", [b, h, i, l])
                     with T.init():
                         h_[vb, vh, vi] = _c(0) - r[vi]
-                    h_[vb, vh, vi] = h_[vb, vh, vi] + S[vb, vh, vi, vl] * m[vb, vh, vl]
+                    h_[vb, vh, vi] = h_[vb, vh, vi] + S[vb, vh // group, vi, vl] * m[vb, vh, vl]
 
     return hla2_chunk_carry
 
@@ -208,8 +221,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
     W = L * (Q K^T) chunk-local; o = num, or num / (Q rc + M 1 + eps) (Z rc when unmasked).
     Products over the chunk's tokens select s <= t (never 0 * a later token, which is NaN for
     an inf or NaN token), so row t depends on tokens <= t only.
-    Shapes: q, k [B, H, T, dk], v [B, H, T, dv], Sc [B, H, NC, dk, dk], Xc [B, H, NC, dk, dv],
-    rc [B, H, NC, dk], o [B, H, T, dv]."""
+    Shapes: q [B, H, T, dk], k [B, H / group, T, dk], v [B, H / group, T, dv],
+    Sc [B, H / group, NC, dk, dk], Xc [B, H, NC, dk, dv], rc [B, H, NC, dk], o [B, H, T, dv]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     lam = float(ridge)
@@ -224,7 +237,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         q = T.match_buffer(q_h, (B, H, L, dk), io)
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
+        Sc = T.match_buffer(Sc_h, (B, H // group, NC, dk, dk), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, dk, dv), acc)
         rc = T.match_buffer(rc_h, (B, H, NC, dk), acc)
         o = T.match_buffer(o_h, (B, H, L, dv), io)
@@ -262,7 +275,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                     with T.init():
                         Z[vb, vh, vc, vt, vi] = _c(lam) * Qc[vb, vh, vc, vt, vi]
                     Z[vb, vh, vc, vt, vi] = Z[vb, vh, vc, vt, vi] \
-                        + Qc[vb, vh, vc, vt, vl] * Sc[vb, vh, vc, vl, vi]
+                        + Qc[vb, vh, vc, vt, vl] * Sc[vb, vh // group, vc, vl, vi]
             if not masked:
                 for t, i, j in T.grid(n, dk, n):
                     with T.sblock("ZW"):

@@ -4,9 +4,11 @@ cross term k k^T C_{t-1} undecayed, so X = S C - G no longer advances on its own
 undecayed chunk carry of `hla2.chunk_carry` does not apply. Instead, local s, t = 1..len,
 tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
 
-    chunk_summary  dS = K^T (tail K), dC = Q^T (tail V), dm = Q^T tail, KK = K^T K (undecayed),
-                   dG = K^T (B (tail1 V)), dh = K^T (B tail1), gl = g^len              (parallel)
-    chunk_scan     S, C, m: record Sc, Cc, mc                                          (sequential)
+    chunk_ksummary dS = K^T (tail K), KK = K^T K (undecayed), gl = g^len,
+                   per key/value head                                                  (parallel)
+    chunk_summary  dC = Q^T (tail V), dm = Q^T tail,
+                   dG = K^T (B (tail1 V)), dh = K^T (B tail1)                          (parallel)
+    chunk_scan     S (key/value heads), C, m: record Sc, Cc, mc                        (sequential)
     chunk_cross    ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh              (parallel)
     chunk_scan     G, h                                                                (sequential)
     chunk_output   (W = L * (Q K^T), Gamma[t, s] = g^(t-s) [s <= t], Gamma'[t, s] = g^(t-1-s) [s < t])
@@ -16,6 +18,8 @@ tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
         den = the same with Cc -> mc, Gc -> hc, V -> 1, plus eps           (parallel)
     (unmasked drops every G, h term, the g^(t-1) L weight and the W B term.)
     decode         Algorithm 1 for one token, in place.
+With grouped heads (group > 1) the key/value-head buffers (S, dS, Sc, KK, gl) are read at head
+h // group by query head h (the decay is equal within a group).
 """
 from __future__ import annotations
 
@@ -94,15 +98,47 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
     return hla2d_decode
 
 
+def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
+    """Per chunk of the key/value heads: dS = K^T (tail K), KK = K^T K [B, H, NC, dk, dk],
+    gl = g^len [B, H, NC]; k [B, H, T, dk], g [H]."""
+    io, acc = dtype, accum_dtype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def hla2d_chunk_ksummary(k_h: T.handle, g_h: T.handle, dS_h: T.handle, KK_h: T.handle,
+                             gl_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
+        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
+        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        Kt = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
+            for s, i in T.grid(n, dk):
+                with T.sblock("Kt"):
+                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
+                    Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
+            _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
+            _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
+
+    return hla2d_chunk_ksummary
+
+
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: dS, KK [B, H, NC, dk, dk], dC, dG [.., dk, dv], dm, dh [.., dk], gl [B, H, NC]."""
+    """Per chunk: dC, dG [B, H, NC, dk, dv], dm, dh [.., dk] (module docstring)."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def hla2d_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                            dS_h: T.handle, dC_h: T.handle, dm_h: T.handle, KK_h: T.handle,
-                            dG_h: T.handle, dh_h: T.handle, gl_h: T.handle):
+                            dC_h: T.handle, dm_h: T.handle, dG_h: T.handle, dh_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -111,13 +147,11 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
-        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
         dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
         dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        gl = T.sblock_alloc_buffer((B, H, NC), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
@@ -125,7 +159,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
         tail1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        Kt = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         Vt1 = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         KQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
@@ -146,19 +179,13 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                         T.Cast("int64", vs) + 1 < chunk_len(vc, n, L),
                         gpow(T.log(g[vh]), chunk_len(vc, n, L) - 2 - T.Cast("int64", vs), acc),
                         _c(0))
-            for s, i in T.grid(n, dk):
-                with T.sblock("Kt"):
-                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
-                    Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
             for s, x in T.grid(n, dv):
                 with T.sblock("Vt"):
                     vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
                     Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
                     Vt1[vb, vh, vc, vs, vx] = tail1[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
-            _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dC, Qc, Vt, b, hh, c, dk, dv, n, True, "dC")
             _matvec(dm, QT, tail, b, hh, c, dk, n, False, "dm")
-            _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
             _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
             for j, s in T.grid(n, n):
                 with T.sblock("Bs"):
@@ -172,8 +199,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     return hla2d_chunk_summary
 
 
-def chunk_cross(dk: int, dv: int, *, dtype="float32"):
-    """ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh (g^(len-1) = gl / g)."""
+def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
+    """ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh (g^(len-1) = gl / g); KK, gl of
+    the key/value heads [B, H / group, NC, ..]."""
     acc = accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
@@ -183,22 +211,22 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
         B = T.int64()
         H = T.int64()
         NC = T.int64()
-        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
+        KK = T.match_buffer(KK_h, (B, H // group, NC, dk, dk), acc)
         Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
         mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
         dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
         dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H, NC), acc)
+        gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
         g = T.match_buffer(g_h, (H,), acc)
         ddG = T.match_buffer(ddG_h, (B, H, NC, dk, dv), acc)
         ddh = T.match_buffer(ddh_h, (B, H, NC, dk), acc)
         KC = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _matmul(KC, KK, Cc, b, hh, c, dk, dv, dk, False, "KC")
+            _matmul(KC, KK, Cc, b, hh, c, dk, dv, dk, False, "KC", agroup=group)
             for i, j in T.grid(dk, dv):
                 with T.sblock("ddG"):
                     vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    ddG[vb, vh, vc, vi, vj] = gl[vb, vh, vc] / g[vh] * KC[vb, vh, vc, vi, vj] \
+                    ddG[vb, vh, vc, vi, vj] = gl[vb, vh // group, vc] / g[vh] * KC[vb, vh, vc, vi, vj] \
                         + dG[vb, vh, vc, vi, vj]
             for i, j in T.grid(dk, dk):
                 with T.sblock("ddh"):
@@ -206,7 +234,8 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32"):
                     with T.init():
                         ddh[vb, vh, vc, vi] = dh[vb, vh, vc, vi]
                     ddh[vb, vh, vc, vi] = ddh[vb, vh, vc, vi] \
-                        + gl[vb, vh, vc] / g[vh] * KK[vb, vh, vc, vi, vj] * mc[vb, vh, vc, vj]
+                        + gl[vb, vh // group, vc] / g[vh] * KK[vb, vh // group, vc, vi, vj] \
+                        * mc[vb, vh, vc, vj]
 
     return hla2d_chunk_cross
 
@@ -230,7 +259,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
+        Sc = T.match_buffer(Sc_h, (B, H // group, NC, dk, dk), acc)
         Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
         mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
         Gc = T.match_buffer(Gc_h, (B, H, NC, dk, dv), acc)
@@ -282,7 +311,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                             pw[vb, vh, vc, T.max(vt + 1 + vt - vs, 0)]
                             - _c(mk) * pw[vb, vh, vc, vt]), _c(0))
                     Bs[vb, vh, vc, vt, vs] = T.Select(vs < vt, KQ[vb, vh, vc, vt, vs], _c(0))
-            _matmul(Z, Qc, Sc, b, hh, c, n, dk, dk, False, "Z")
+            _matmul(Z, Qc, Sc, b, hh, c, n, dk, dk, False, "Z", bgroup=group)
             _matmul(ZC, Z, Cc, b, hh, c, n, dv, dk, False, "ZC")
             _matmul(QG, Qc, Gc, b, hh, c, n, dv, dk, False, "QG")
             _matmul(QC, Qc, Cc, b, hh, c, n, dv, dk, False, "QC")

@@ -2,8 +2,9 @@
 gamma = 1 for none). State (S, P, m, F, eta). Chunk form, local s, t = 1..len, W = L * (Q K^T),
 WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len, gt = g^t:
 
-    chunk_summary  dS = K^T (tail K), dP = K^T (tail V), dm = K^T tail                (parallel)
-    chunk_scan     S, P, m: record Sc, Pc, mc                                          (sequential)
+    chunk_ksummary dS = K^T (tail K), dP = K^T (tail V), dm = K^T tail, gl = g^len,
+                   per key/value head                                                  (parallel)
+    chunk_scan     S, P, m (key/value heads): record Sc, Pc, mc                        (sequential)
     chunk_cross    Y = diag(gt) Q Pc + WG V,  y = diag(gt) Q mc + WG 1,
                    U^T = diag(gt) Q Sc + WG K,  ddF = U (tail * Y),  ddeta = U (tail * y),
                    M = (diag(gt) Q Sc Q^T + WG W^T) * L;   writes ddF, ddeta, M, Y, y   (parallel)
@@ -15,7 +16,8 @@ WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len,
 F' = gl F + sum_s g^(len-s) (S_s q_s)(q_s^T P_s) with S_s q_s = g^s Sc q_s + (K^T WG^T)_s and
 q_s^T P_s = g^s q_s^T Pc + (WG V)_s (rows of U and Y); S is symmetric (a sum of k k^T), so
 (Sc Q^T)^T = Q Sc serves both U and M. Twelve d^3-sized products a chunk, all but two (Q Fc,
-M Y) before the scan of F.
+M Y) before the scan of F. With grouped heads (group > 1) query head h reads the key/value-head
+buffers (S, P, m, their records, gl) at head h // group (the decay is equal within a group).
 """
 from __future__ import annotations
 
@@ -64,21 +66,21 @@ def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", grou
     return hla3_decode
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
     """Per chunk: dS = K^T (tail K) [B, H, NC, dk, dk], dP = K^T (tail V) [.., dk, dv],
-    dm = K^T tail [.., dk], gl = g^len [B, H, NC]."""
+    dm = K^T tail [.., dk], gl = g^len [B, H, NC]; run on the key/value heads (g of those)."""
     io, acc = dtype, accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
-    def hla3_chunk_summary(g_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
+    def hla3_chunk_ksummary(g_h: T.handle, k_h: T.handle, v_h: T.handle, dS_h: T.handle,
                            dP_h: T.handle, dm_h: T.handle, gl_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
         NC = T.int64()
         g = T.match_buffer(g_h, (H,), acc)
-        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
-        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
+        k = T.match_buffer(k_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H, L, dv), io)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         dP = T.match_buffer(dP_h, (B, H, NC, dk, dv), acc)
         dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
@@ -90,9 +92,9 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         Kt = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
-            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             for s, i in T.grid(n, dk):
                 with T.sblock("Kt"):
@@ -106,11 +108,12 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
             _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
 
-    return hla3_chunk_summary
+    return hla3_chunk_ksummary
 
 
 def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk, from the recorded Sc, Pc, mc (module docstring): ddF [B, H, NC, dk, dv],
+    """Per chunk, from the key/value heads' recorded Sc, Pc, mc [B, H / group, NC, ..] (module
+    docstring): ddF [B, H, NC, dk, dv],
     ddeta [.., dk], and for the output M [.., n, n], Y [.., n, dv], y [.., n]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
@@ -127,9 +130,9 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        Sc = T.match_buffer(Sc_h, (B, H, NC, dk, dk), acc)
-        Pc = T.match_buffer(Pc_h, (B, H, NC, dk, dv), acc)
-        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        Sc = T.match_buffer(Sc_h, (B, H // group, NC, dk, dk), acc)
+        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
         ddF = T.match_buffer(ddF_h, (B, H, NC, dk, dv), acc)
         ddeta = T.match_buffer(ddeta_h, (B, H, NC, dk), acc)
         M = T.match_buffer(M_h, (B, H, NC, n, n), acc)
@@ -172,7 +175,7 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                     WG[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt, W0[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
             _transpose(WT, W, b, hh, c, n, n, "WT")
-            _matmul(QP, Qc, Pc, b, hh, c, n, dv, dk, False, "QP")
+            _matmul(QP, Qc, Pc, b, hh, c, n, dv, dk, False, "QP", bgroup=group)
             _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV", True)
             for t, x in T.grid(n, dv):
                 with T.sblock("Y"):
@@ -191,13 +194,13 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                     y[vb, vh, vc, vt] = y[vb, vh, vc, vt] + T.if_then_else(
                         vj < dk,
                         pw[vb, vh, vc, vt + 1] * Qc[vb, vh, vc, vt, T.min(vj, dk - 1)]
-                        * mc[vb, vh, vc, T.min(vj, dk - 1)],
+                        * mc[vb, vh // group, vc, T.min(vj, dk - 1)],
                         WG[vb, vh, vc, vt, T.max(vj - dk, 0)])
             for t in T.serial(n):
                 with T.sblock("ty"):
                     vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
                     ty[vb, vh, vc, vt] = tail[vb, vh, vc, vt] * y[vb, vh, vc, vt]
-            _matmul(QS, Qc, Sc, b, hh, c, n, dk, dk, False, "QS")
+            _matmul(QS, Qc, Sc, b, hh, c, n, dk, dk, False, "QS", bgroup=group)
             _matmul(WGK, WG, Kc, b, hh, c, n, dk, n, False, "WGK", True)
             for s, i in T.grid(n, dk):
                 with T.sblock("UT"):
