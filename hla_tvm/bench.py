@@ -6,9 +6,12 @@ decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`
          state_copy (copying the state's bytes once: the floor of a memory-bound step)
 prefill: tvm (`hla`), torch (`fast.chunk` without decay, else the reference chunk loop),
          torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
-         quadratic baseline), sgemm (this machine's float32 matmul rate, GFLOP/s)"""
+         quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
+         function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
+         rate, GFLOP/s)"""
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
 import statistics
@@ -52,25 +55,37 @@ def machine():
     return {"cpu": cpu, "cores": physical_cores(), "isa": isa}
 
 
-def _inputs(batch, heads, seq, dk, dv, dtype=torch.float32):
+def _inputs(batch, heads, seq, dk, dv, kv_heads=None, dtype=torch.float32):
+    """q [B, H, T, dk], k [B, Hkv, T, dk], v [B, Hkv, T, dv] (Hkv = kv_heads or H)."""
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch, heads, seq, d, generator=g, dtype=dtype) / d ** 0.5
-            for d in (dk, dk, dv))
+    hs = (heads, kv_heads or heads, kv_heads or heads)
+    return (torch.randn(batch, h, seq, d, generator=g, dtype=dtype) / d ** 0.5
+            for h, d in zip(hs, (dk, dk, dv)))
 
 
-def decode_cases(batch, heads, dk, dv, op, decay):
+def _repeat_kv(x, heads):
+    """x [B, Hkv, ...] with each key/value head repeated for its group of query heads (what a
+    PyTorch form without grouped heads needs)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
     """{name: fn} of one decode step each, from the state after 16 prompt tokens."""
     from . import decode_, hla
     from .fast.step import STEPS
+    from .operators import get
 
     kw = OPS[op]
-    q, k, v = _inputs(batch, heads, 17, dk, dv)
+    q, k, v = _inputs(batch, heads, 17, dk, dv, kv_heads)
     _, st = hla(q[:, :, :16], k[:, :, :16], v[:, :, :16], decay=decay, return_state=True,
                 **kw)
     q1, k1, v1 = (x[:, :, 16].contiguous() for x in (q, k, v))
     q4, k4, v4 = (x.unsqueeze(2) for x in (q1, k1, v1))
-    states = {name: {n: x.clone() for n, x in st.items()} for name in
-              ("tvm", "torch", "torch_compile")}
+    kv_state = get(kw.get("order", 2), kw.get("asymmetric", False)).kv_state
+    full = {n: (_repeat_kv(x, heads) if n in kv_state else x) for n, x in st.items()}
+    states = {"tvm": {n: x.clone() for n, x in st.items()},
+              "torch": {n: x.clone() for n, x in full.items()},
+              "torch_compile": {n: x.clone() for n, x in full.items()}}
     step = STEPS[op]
     compiled = torch.compile(step, dynamic=False)
     dst = {n: torch.empty_like(x) for n, x in st.items()}
@@ -82,8 +97,10 @@ def decode_cases(batch, heads, dk, dv, op, decay):
     return {
         "tvm": lambda: decode_(q1, k1, v1, states["tvm"], decay=decay, **kw),
         "tvm_hla": lambda: hla(q4, k4, v4, state=st, decay=decay, return_state=True, **kw),
-        "torch": lambda: step(q1, k1, v1, states["torch"], decay=decay),
-        "torch_compile": lambda: compiled(q1, k1, v1, states["torch_compile"], decay=decay),
+        "torch": lambda: step(q1, _repeat_kv(k1, heads), _repeat_kv(v1, heads),
+                              states["torch"], decay=decay),
+        "torch_compile": lambda: compiled(q1, _repeat_kv(k1, heads), _repeat_kv(v1, heads),
+                                          states["torch_compile"], decay=decay),
         "state_copy": state_copy,
     }
 
@@ -96,15 +113,17 @@ def hla2_prefill_flops(B, H, T, dk, dv, n):
     return 2 * B * H * nc * (summary + output + dk * dk * dv)
 
 
-def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size):
+def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=None):
     from . import hla
     from .fast.chunk import CHUNKED
 
     kw = OPS[op]
-    q, k, v = _inputs(batch, heads, seq, dk, dv)
+    q, k, v = _inputs(batch, heads, seq, dk, dv, kv_heads)
     cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size, **kw)}
     if decay is None:
-        fast = lambda *a: CHUNKED[op](*a, chunk_size=chunk_size)[0]  # noqa: E731
+        def fast(q, k, v):
+            return CHUNKED[op](q, _repeat_kv(k, heads), _repeat_kv(v, heads),
+                               chunk_size=chunk_size)[0]
         compiled = torch.compile(fast, dynamic=False)
         cases["torch"] = lambda: fast(q, k, v)
         cases["torch_compile"] = lambda: compiled(q, k, v)
@@ -112,8 +131,27 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size):
         cases["torch"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
                                      backend="torch", **kw)
     cases["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True)
+        q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
+    ort = _onnxruntime_case(q, k, v, op, decay)
+    if ort is not None:
+        cases["onnxruntime"] = ort
     return cases
+
+
+def _onnxruntime_case(q, k, v, op, decay):
+    """One exported `hla_tvm::HLA` node run by ONNX Runtime (its standard-ONNX function body,
+    a Scan over the tokens), or None where onnxruntime is not installed."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return None
+    from .onnx.function import one_node_model
+    from .onnx.ort_session import session
+
+    kw = {"order": 3} if op == "hla3" else {"asymmetric": True} if op == "ahla" else {}
+    feeds = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy()}
+    model = one_node_model({n: x.shape for n, x in feeds.items()},
+                           decay=1.0 if decay is None else float(decay), **kw)
+    sess = session(model, threads=torch.get_num_threads())
+    return lambda: sess.run(["o"], feeds)
 
 
 def _proc_status_bytes(key):
@@ -146,16 +184,19 @@ def sgemm_rate(size=2048, runs=3):
 
 
 def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", decay=None,
-        chunk_size=64, repeat=5, json_path=None, out=print):
+        chunk_size=64, repeat=5, json_path=None, kv_heads=None, out=print):
     dv = dv or dk
-    shape = dict(batch=batch, heads=heads, dk=dk, dv=dv, op=op, decay=decay,
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
+    shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, op=op, decay=decay,
                  threads=torch.get_num_threads())
     if mode == "decode":
-        cases = decode_cases(batch, heads, dk, dv, op, decay)
+        cases = decode_cases(batch, heads, dk, dv, op, decay, kv_heads)
         number = 200
     else:
         shape.update(seq=seq, chunk_size=chunk_size)
-        cases = prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size)
+        cases = prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads)
         number = 1
     results = {}
     for name, fn in cases.items():
@@ -168,7 +209,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     extra = {}
     if mode == "prefill":
         extra["sgemm_gflops"] = sgemm_rate()
-        if op == "hla2" and decay is None:
+        if op == "hla2" and decay is None and kv_heads == heads:
             flops = hla2_prefill_flops(batch, heads, seq, dk, dv, chunk_size)
             extra["tvm_gflops"] = flops / results["tvm"]["median_s"] / 1e9
     info = machine()
@@ -188,7 +229,9 @@ def _fmt(seconds):
 def _table(report, out):
     s, m, res = report["shape"], report["machine"], report["results"]
     what = s["op"] if s["decay"] is None else f"{s['op']} decay {s['decay']}"
-    size = f"B={s['batch']} H={s['heads']} Dk={s['dk']} Dv={s['dv']}" + \
+    size = f"B={s['batch']} H={s['heads']}" + \
+        (f" Hkv={s['kv_heads']}" if s.get("kv_heads", s["heads"]) != s["heads"] else "") + \
+        f" Dk={s['dk']} Dv={s['dv']}" + \
         (f" T={s['seq']} chunk {s['chunk_size']}" if report["mode"] == "prefill" else "")
     out(f"hla-tvm bench {report['mode']}: {what}, {size}; {m['cpu']} ({m['cores']} cores, "
         f"{m['isa']}), median of {next(iter(res.values()))['runs']} runs")

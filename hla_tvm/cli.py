@@ -34,7 +34,7 @@ def _bench(args):
 
     run(mode=args.mode, batch=args.batch, heads=args.heads, seq=args.seq, dk=args.dk,
         dv=args.dv, op=args.op, decay=args.decay, chunk_size=args.chunk_size,
-        repeat=args.repeat, json_path=args.json)
+        repeat=args.repeat, json_path=args.json, kv_heads=args.kv_heads)
     return 0
 
 
@@ -177,13 +177,17 @@ def build_parser():
                             "torch (in-place PyTorch step), torch_compile, state_copy (copying "
                             "the state once, the floor); prefill: tvm, torch (the chunk form "
                             "with every chunk at once), torch_compile, torch_sdpa (causal "
-                            "softmax), and this machine's sgemm rate.")
+                            "softmax), onnxruntime (one exported hla_tvm::HLA node, where "
+                            "onnxruntime is installed), and this machine's sgemm rate. With "
+                            "--kv-heads the PyTorch forms repeat k, v for each group.")
     b.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
                    help="what to time")
     b.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
                    help="operator: second order, asymmetric (AHLA) or third order")
     b.add_argument("--batch", type=_positive, default=1, help="batch size B")
     b.add_argument("--heads", type=_positive, default=8, help="heads H")
+    b.add_argument("--kv-heads", type=_positive, default=None,
+                   help="key/value heads Hkv, dividing H (grouped heads; default: H)")
     b.add_argument("--seq", "--length", dest="seq", type=_positive, default=8192,
                    help="prefill length T")
     b.add_argument("--dk", "--head-dim", dest="dk", type=_positive, default=64,

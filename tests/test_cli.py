@@ -32,8 +32,14 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
     assert main(["bench", "prefill", "--seq", "128", "--heads", "2", "--dk", "8",
                  "--chunk-size", "16", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    for case in ("tvm ", "torch ", "torch_compile", "torch_sdpa", "sgemm", "GFLOP/s"):
+    for case in ("tvm ", "torch ", "torch_compile", "torch_sdpa", "onnxruntime", "sgemm",
+                 "GFLOP/s"):
         assert case in out
+    assert main(["bench", "prefill", "--op", "hla3", "--seq", "40", "--heads", "4",
+                 "--kv-heads", "2", "--dk", "8", "--chunk-size", "16", "--repeat", "1"]) == 0
+    assert "H=4 Hkv=2" in capsys.readouterr().out
+    _fails_in_one_line(capsys, ["bench", "--heads", "4", "--kv-heads", "3"],
+                       "kv_heads=3 must divide heads=4")
 
 
 def test_cache_lists_folder(capsys):

@@ -20,22 +20,9 @@ CASES = [(2, False, True, False, 0.0), (2, False, True, True, 0.0), (2, False, F
 
 def _model(order, asym, masked, normalize, ridge, arrays, decay=1.0):
     """One HLA node over the graph inputs in `arrays` (decay and state inputs when present)."""
-    names = F.STATE_NAMES[(order, asym)]
-    state_input = f"{names[0]}_in" in arrays
-    vi = lambda n, a: helper.make_tensor_value_info(n, TensorProto.FLOAT, list(a.shape))  # noqa
-    node_in = ["q", "k", "v", "decay" if "decay" in arrays else ""] + \
-        ([f"{n}_in" for n in names] if state_input else [])
-    ins = [vi(n, arrays[n]) for n in node_in if n]
-    outs = [helper.make_tensor_value_info("o", TensorProto.FLOAT, [None] * 4)] + \
-        [helper.make_tensor_value_info(f"{n}_out", TensorProto.FLOAT,
-                                       [None] * (3 if n in F.VECTOR_STATES else 4))
-         for n in names]
-    node = F.node(node_in, ["o"] + [f"{n}_out" for n in names], order=order, asymmetric=asym,
-                  masked=masked, normalize=normalize, ridge=ridge, decay=decay, name="hla0")
-    graph = helper.make_graph([node], "one_hla", ins, outs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", F.OPSET),
-                                                    helper.make_opsetid(F.DOMAIN, 1)])
-    return F.add_functions(model)
+    return F.one_node_model({n: a.shape for n, a in arrays.items()}, order=order,
+                            asymmetric=asym, masked=masked, normalize=normalize, ridge=ridge,
+                            decay=decay)
 
 
 def _inputs(order, asym, masked, *, B=2, H=4, Hkv=4, T=11, dk=4, dv=5, state=True,

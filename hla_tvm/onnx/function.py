@@ -223,6 +223,30 @@ def node(inputs, outputs, *, order=2, asymmetric=False, masked=True, normalize=F
         order=int(order), asymmetric=int(asymmetric), masked=int(masked),
         normalize=int(normalize), eps=float(eps), ridge=float(ridge), decay=float(decay))
 
+def one_node_model(shapes, *, order=2, asymmetric=False, masked=True, normalize=False,
+                   eps=1e-6, ridge=0.0, decay=1.0):
+    """A ModelProto with one `hla_tvm::HLA` node (and its function body) over float32 graph
+    inputs of `shapes` {name: shape}: q, k, v, optionally "decay" ([H], replacing the scalar
+    attribute) and the state entries as "<name>_in" (all or none); outputs o and "<name>_out"."""
+    names = STATE_NAMES[(order, bool(asymmetric))]
+    state_input = f"{names[0]}_in" in shapes
+    node_in = ["q", "k", "v", "decay" if "decay" in shapes else ""] + \
+        ([f"{n}_in" for n in names] if state_input else [])
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(shapes[n]))
+           for n in node_in if n]
+    outs = [helper.make_tensor_value_info("o", TensorProto.FLOAT, [None] * 4)] + \
+        [helper.make_tensor_value_info(f"{n}_out", TensorProto.FLOAT,
+                                       [None] * (3 if n in VECTOR_STATES else 4))
+         for n in names]
+    hla = node(node_in, ["o"] + [f"{n}_out" for n in names], order=order,
+               asymmetric=asymmetric, masked=masked, normalize=normalize, eps=eps, ridge=ridge,
+               decay=decay, name="hla0")
+    graph = helper.make_graph([hla], "one_hla", ins, outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(DOMAIN, 1)])
+    return add_functions(model)
+
+
 def describe(node):
     """`node`'s name for error messages."""
     return f"HLA node {node.name or '(unnamed)'!r} ({node.domain}::{node.op_type})"
