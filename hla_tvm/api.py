@@ -76,6 +76,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     """(o, new state) of one token through `decode_`'s plan (the one place that picks and calls
     the decode kernels), on a private copy of the state; None when an argument needs the full
     checks of `hla` (which then explain it)."""
+    from .backend import private_copy
     from .decode import _plan
 
     validate.integer("chunk_size", chunk_size, low=1)
@@ -97,8 +98,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
             if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or \
                     x.shape != shape:
                 return None
-            y = x.to(plan.acc)
-            st.append(y.clone() if y is x and x.is_contiguous() else y.contiguous())
+            st.append(private_copy(x, plan.acc))
     out = torch.empty(plan.out_shape, dtype=plan.dtype)
     plan.run(*(validate.aligned(x.contiguous()) for x in (q, k, v)), st, out)
     return out, dict(zip(plan.names, st))
@@ -175,7 +175,7 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
         shapes = op.state_shapes(B, H, k.shape[1], dk, dv)
         st = {n: torch.zeros(shapes[n], dtype=acc) for n in op.state_names}
     else:  # a private copy in the accumulation dtype: the kernels update it in place
-        st = {n: x.to(acc).contiguous().clone() for n, x in state.items()}
+        st = {n: tvm_backend.private_copy(x, acc) for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fam = chains.family(op.name, decayed=decay is not None, decode=False)
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc))[0].contiguous()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 import threading
 
+import numpy as np
 import torch
 
 from . import operators, validate
@@ -134,12 +135,22 @@ class _Plan:
         key/value-only entries are repeated, and each group's first copy of the updated
         entries is written back in place."""
         g = self.group
-        full = [x.repeat_interleave(g, 1) if kv else x for x, kv in zip(st, self.kv)]
+        full = [_repeat_heads(x, g) if kv else x for x, kv in zip(st, self.kv)]
         self.fn(q, k, v, self.gamma, *full, out)
         for x, y, kv in zip(st, full, self.kv):
-            if kv:
-                x.copy_(y[:, ::g])
+            if kv:   # (numpy: copies on this thread, see backend.private_copy)
+                np.copyto(x.numpy(), y.numpy().reshape(x.shape[0], x.shape[1], g,
+                                                       *x.shape[2:])[:, :, 0])
         return out
+
+
+def _repeat_heads(x, group):
+    """x [B, Hkv, ...] with each head repeated `group` times: a new aligned tensor [B, H, ...],
+    filled on this thread."""
+    full = torch.empty(x.shape[0], x.shape[1] * group, *x.shape[2:], dtype=x.dtype)
+    np.copyto(full.numpy().reshape(x.shape[0], x.shape[1], group, *x.shape[2:]),
+              x.numpy()[:, :, None])
+    return full
 
 
 def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
