@@ -12,7 +12,7 @@ BACKENDS = ("tvm", "torch")
 
 def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps=1e-6,
         ridge=0.0, decay=None, state=None, return_state=False, attention_mask=None,
-        backend="tvm", target=None, chunk_size=64):
+        backend="tvm", target=None, chunk_size=64, schedules="auto"):
     """Higher-order linear attention, causal, per head.
 
     order=2 (HLA), with S, C, m, G, h the prefix summaries of `hla_tvm.reference.hla2`:
@@ -33,6 +33,8 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         the chunked prefill with `chunk_size`); "torch" runs the PyTorch reference (chunk form,
         differentiable).
     target: None or "llvm" for this CPU, or a dict / tvm.target.Target.
+    schedules: "auto" (tuned records for the target where `hla-tvm tune` wrote them, else the
+        default schedules), "default", or a records folder.
     Returns o [B, H, T, Dv] in q's dtype, or (o, state) with return_state=True.
 
     To stream tokens use `decode_`, which advances the state in place at about the cost of the
@@ -41,7 +43,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
             and isinstance(return_state, bool):
         step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
-                         decay, attention_mask, target, chunk_size)
+                         decay, attention_mask, target, chunk_size, schedules)
         if step is not None:
             return step if return_state else step[0]
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
@@ -67,12 +69,13 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
             new_state = {n: (x[:, ::group].contiguous() if n in op.kv_state else x)
                          for n, x in new_state.items()}
     else:   # the kernels take grouped k, v and the key/value-only entries per key/value head
-        out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts)
+        out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts,
+                              schedules)
     return (out, new_state) if return_state else out
 
 
 def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, mask,
-              target, chunk_size):
+              target, chunk_size, schedules):
     """(o, new state) of one token through `decode_`'s plan (the one place that picks and calls
     the decode kernels), on a private copy of the state; None when an argument needs the full
     checks of `hla` (which then explain it)."""
@@ -80,7 +83,8 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     from .decode import _plan
 
     validate.integer("chunk_size", chunk_size, low=1)
-    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+                 schedules)
     if mask is not None:
         if decay is not None:
             return None   # refused by `_tvm`
@@ -157,7 +161,7 @@ def _zero_padding(x, mask):
     return torch.where(mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype))
 
 
-def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
+def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
     from . import backend as tvm_backend
     from .kernels import chains
     from .reference._common import gamma
@@ -180,5 +184,5 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts):
     fam = chains.family(op.name, decayed=decay is not None, decode=False)
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc))[0].contiguous()
     out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=resolve(target),
-                              **tvm_backend.kernel_options(q.dtype, **opts))
+                              schedules=schedules, **tvm_backend.kernel_options(q.dtype, **opts))
     return out, st

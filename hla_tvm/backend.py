@@ -46,17 +46,63 @@ def kernel_options(dtype, **opts):
     return {**opts, "dtype": TORCH_DTYPES[dtype]}
 
 
-def module(chain, dk, dv, target, *, chunk=None, group=1, **opts):
+def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **opts):
     """The compiled module holding every kernel of `chain` (functions named by
-    `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`."""
+    `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`.
+    schedules: "auto", "default" or a records folder (`schedule.records`); kernels with a
+    record use its schedule, the others the default one."""
+    from .schedule import records
+
     phase = "decode" if chain.calls[0].kernel == "decode" else "prefill"
     spec = {"kind": f"{chain.family}_{phase}", "dk": dk, "dv": dv, **opts}
     if chunk is not None:
         spec["chunk"] = chunk
     if group > 1:
         spec["group"] = group
-    return build.load_or_build(
-        spec, lambda: chains.kernels(chain, dk, dv, chunk=chunk, group=group, **opts), target)
+    path, digest = records.find(schedules, target)
+    if path is not None:
+        spec["records"] = digest
+
+    def make():
+        kernels = tuning_kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
+        if path is None:
+            return {name: func for name, (func, _) in kernels.items()}
+        db = records.load(path)
+        out = {}
+        for name, (func, shapes) in kernels.items():
+            tuned = records.tuned(func, shapes, db, target)
+            out[name] = func if tuned is None else tuned.with_attr(build.TUNED, True)
+        return out
+
+    return build.load_or_build(spec, make, target)
+
+
+def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
+    """`tuning_kernels` of operator `op`'s prefill and decode chains (an `operators.Operator`;
+    opts: its `options`, dtype a torch dtype)."""
+    kw = kernel_options(dtype, **opts)
+    fam = chains.family(op.name, decayed=decayed, decode=False)
+    out = tuning_kernels(chains.prefill(fam), dk, dv, chunk=chunk, group=group, **kw)
+    fam = chains.family(op.name, decayed=decayed, decode=True)
+    out.update(tuning_kernels(chains.decode(fam), dk, dv, group=group, **kw))
+    return out
+
+
+def tuning_kernels(chain, dk, dv, *, chunk=None, group=1, dtype, **opts):
+    """{function name: (PrimFunc, argument shapes)} of `chain`'s kernels, the shapes those of a
+    call at the tuning shape (`schedule.records.TUNE_SHAPE`: batch 1, 8 query heads or the
+    next multiple of group, 4096 tokens; one for decode)."""
+    from .schedule.records import TUNE_SHAPE
+
+    H = -(-TUNE_SHAPE["heads"] // group) * group
+    T = 1 if chain.calls[0].kernel == "decode" else TUNE_SHAPE["seq"]
+    funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, dtype=dtype, **opts)
+    out = {}
+    for call, shapes in chains.argument_shapes(chain, TUNE_SHAPE["batch"], H, H // group, T,
+                                               dk, dv, chunk or 1, dtype):
+        name = chains.kernel_name(chain, call, dk, dv, group)
+        out[name] = (funcs[name], shapes)
+    return out
 
 
 def functions(chain, mod, dk, dv, group=1):
@@ -130,9 +176,7 @@ def run_chain(chain, fns, env, out, chunk_size):
     Hkv = env["k"].shape[1]
     dv = out.shape[-1]
     nc = math.ceil(T / chunk_size)
-    kv = chain.kv_buffers()
-    shapes = {name: (B, Hkv if name in kv else H, nc, *chains.KIND_SHAPES[kind](dk, dv, chunk_size))
-              for name, kind in chain.kinds().items() if kind != "o"}
+    shapes = chains.buffer_shapes(chain, B, H, Hkv, nc, dk, dv, chunk_size)
     # each buffer starts 64-byte aligned, as TVM's own allocations do
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
     flat = _SCRATCH.take(sum(sizes.values()) + 16, state_dtype(env["q"].dtype))
@@ -155,18 +199,19 @@ def run_chain(chain, fns, env, out, chunk_size):
     return out
 
 
-def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, **opts):
+def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto", **opts):
     """Outputs [B, H, T, dv] of kernel family `fam` for contiguous q [B, H, T, dk] and k, v with
     H or H / group heads (grouped key/value heads; one floating dtype);
     gamma [H] in the accumulation dtype (None where the chain takes none); `state` (the
     reference's names, accumulation dtype, contiguous, owned by the caller; the operator's
     key/value-only entries with the key/value heads) is advanced in place past the T tokens.
-    opts from `kernel_options`."""
+    opts from `kernel_options`; schedules as for `module`."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
     group = q.shape[1] // k.shape[1]
-    mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, **opts)
+    mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, schedules=schedules,
+                 **opts)
     fns = functions(chain, mod, dk, dv, group)
     base = {"gamma": gamma, **state}
     return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(

@@ -58,15 +58,20 @@ def _key_blob(spec: dict, target) -> str:
                       sort_keys=True)
 
 
+TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tuned record
+
+
 def schedule_module(mod, target):
-    """Apply the default schedule of the target's kind to every function of `mod`."""
+    """Apply the default schedule of the target's kind to every function of `mod` that is not
+    scheduled from a tuned record already."""
     import tvm
 
     from .schedule import cpu
 
     if target.kind.name != "llvm":
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
-    return tvm.IRModule({gv: cpu.scheduled(mod[gv], target) for gv in mod.get_global_vars()})
+    return tvm.IRModule({gv: mod[gv] if mod[gv].attrs and TUNED in mod[gv].attrs
+                         else cpu.scheduled(mod[gv], target) for gv in mod.get_global_vars()})
 
 
 def load_or_build(spec: dict, make_funcs, target):

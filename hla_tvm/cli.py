@@ -38,6 +38,40 @@ def _bench(args):
     return 0
 
 
+def _tune(args):
+    import torch
+
+    from . import backend, operators
+    from .schedule import records, tune
+    from .target import parse, resolve
+
+    target = resolve(parse(args.target))
+    if target.kind.name != "llvm":
+        raise NotImplementedError(f"tuning for {target.kind.name} targets is not written yet "
+                                  "(llvm only)")
+    op = operators.get(3 if args.op == "hla3" else 2, args.op == "ahla")
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    kernels = backend.operator_kernels(
+        op, decayed=args.decay, dk=args.dk, dv=args.dv or args.dk, chunk=args.chunk_size,
+        group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype),
+        **op.options(masked=True, normalize=args.normalize, eps=1e-6, ridge=0.0))
+    out = args.output or os.path.join(records.user_root(), records.target_folder(target))
+    print(f"tuning {len(kernels)} kernels of {args.op} for {records.target_folder(target)} "
+          f"({args.trials} trials); records go to {out}")
+    report = tune.tune(kernels, target, args.trials, out)
+    records.forget()
+    print(f"{'kernel':<28}{'default':>12}{'tuned':>12}  kept")
+    for name, r in report.items():
+        tuned = "-" if r["tuned_s"] is None else f"{r['tuned_s'] * 1e3:.3f} ms"
+        print(f"{name:<28}{r['default_s'] * 1e3:>9.3f} ms{tuned:>12}  {r['kept']}")
+    found = records.resolve("auto", target)
+    use = "schedules='auto' (the default)" if found and os.path.samefile(found, out) else \
+        f"schedules={out!r}"
+    print(f"hla(), decode_() and the kernels they compile use these records with {use}")
+    return 0
+
+
 def _decay(text):
     """argparse type: a decay factor in (0, 1]."""
     try:
@@ -238,6 +272,37 @@ def build_parser():
                    help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
                         "physical core)")
     r.set_defaults(func=_run)
+
+    t = command("tune", help="auto-tune one operator's kernels for this CPU with meta_schedule "
+                             "and write tuned records (used by hla(), decode_() with "
+                             "schedules='auto')",
+                description="Tune the prefill and decode kernels of one operator configuration "
+                            "with TVM's meta_schedule (evolutionary search, XGBoost cost model, "
+                            "local runner) at batch 1, 8 heads, 4096 tokens, then time each "
+                            "kernel's best trial beside its default schedule and keep the "
+                            "faster. Records go to ~/.cache/hla_tvm/schedules/<target>/ (or -o "
+                            "DIR; run again with the same folder to resume and add trials). On "
+                            "a 2-core machine a trial takes about 3 s; 100 trials (5 minutes) "
+                            "give every kernel of an operator a first look.")
+    t.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
+                   help="operator: second order, asymmetric (AHLA) or third order")
+    t.add_argument("--decay", action="store_true",
+                   help="the kernels with decay (second order has separate ones)")
+    t.add_argument("--normalize", action="store_true", help="the normalized variant")
+    t.add_argument("--dk", type=_positive, default=64, help="key/query head size")
+    t.add_argument("--dv", type=_positive, default=None, help="value head size (default: dk)")
+    t.add_argument("--heads", type=_positive, default=8, help="query heads (with --kv-heads)")
+    t.add_argument("--kv-heads", type=_positive, default=8,
+                   help="key/value heads (grouped heads when fewer than --heads)")
+    t.add_argument("--chunk-size", "--chunk", type=_positive, default=64, help="prefill chunk size")
+    t.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"),
+                   default="float32", help="input dtype")
+    t.add_argument("--target", default="llvm", help="the CPU to tune for (as for compile)")
+    t.add_argument("--trials", type=_positive, default=100,
+                   help="measured candidates in all, shared among the kernels")
+    t.add_argument("-o", "--output", default=None, metavar="DIR",
+                   help="records folder (default: the user's folder for the target)")
+    t.set_defaults(func=_tune)
 
     c = command("cache", help="show (or --clear) the compiled-kernel cache folder")
     c.add_argument("--clear", action="store_true", help="delete every cached module")

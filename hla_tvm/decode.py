@@ -43,7 +43,8 @@ def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2
 class _Plan:
     """What one (shapes, dtype, options) combination needs at call time."""
 
-    def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
+    def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+                 schedules):
         from . import backend
         from .kernels import chains
         from .reference._common import gamma
@@ -71,7 +72,7 @@ class _Plan:
         opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
         chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
         mod = backend.module(chain, dk, dv, resolve(target), group=H // Hkv,
-                             **backend.kernel_options(q.dtype, **opts))
+                             schedules=schedules, **backend.kernel_options(q.dtype, **opts))
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
 
@@ -153,7 +154,8 @@ def _repeat_heads(x, group):
     return full
 
 
-def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target):
+def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+          schedules="auto"):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -162,13 +164,14 @@ def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, targ
     tkey = target if target is None or isinstance(target, str) else str(target)
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, order, asymmetric,
            masked,
-           normalize, eps, ridge, dkey, tkey)
+           normalize, eps, ridge, dkey, tkey, schedules)
     try:
         plan = _PLANS.get(key)
     except TypeError:   # an unhashable option: checked (and refused) by the plan
         plan, key = None, None
     if plan is None:
-        plan = _Plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+        plan = _Plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+                     schedules)
         if key is not None:
             with _LOCK:
                 _PLANS[key] = plan
@@ -176,18 +179,20 @@ def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, targ
 
 
 def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize=False,
-            eps=1e-6, ridge=0.0, decay=None, out=None, target=None):
+            eps=1e-6, ridge=0.0, decay=None, out=None, target=None, schedules="auto"):
     """One token of HLA (the operators and options of `hla`), with `state` updated in place.
 
     q [B, H, Dk] or [B, H, 1, Dk]; k [B, Hkv, Dk], v [B, Hkv, Dv] likewise (grouped heads when
     Hkv divides H). state: the dict `hla(..., return_state=True)` or `init_state` gave, its
     tensors contiguous CPU tensors in the state dtype (float32, float64 for float64 inputs);
     they are advanced in place (PyTorch's trailing-underscore convention). out: an optional
-    preallocated output. Returns o, [B, H, Dv] or [B, H, 1, Dv] as q, in q's dtype.
+    preallocated output. target, schedules: as for `hla`. Returns o, [B, H, Dv] or
+    [B, H, 1, Dv] as q, in q's dtype.
 
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
-    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target)
+    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+                 schedules)
     try:
         st = plan.get(state)
         ok = len(state) == len(plan.names)

@@ -8,7 +8,7 @@ from ..reference import ahla as _ahla_ref, hla2 as _hla2_ref, hla3 as _hla3_ref
 from . import ahla, hla2, hla2_decay, hla3
 
 KERNELS = {"hla2": hla2, "hla2d": hla2_decay, "ahla": ahla, "hla3": hla3}
-STATE_NAMES = {"hla2": _hla2_ref.STATE_NAMES, "hla2d": _hla2_ref.STATE_NAMES,
-               "ahla": _ahla_ref.STATE_NAMES, "hla3": _hla3_ref.STATE_NAMES}
+REFERENCES = {"hla2": _hla2_ref, "hla2d": _hla2_ref, "ahla": _ahla_ref, "hla3": _hla3_ref}
+STATE_NAMES = {fam: ref.STATE_NAMES for fam, ref in REFERENCES.items()}
 
-__all__ = ["KERNELS", "STATE_NAMES", "ahla", "hla2", "hla2_decay", "hla3"]
+__all__ = ["KERNELS", "REFERENCES", "STATE_NAMES", "ahla", "hla2", "hla2_decay", "hla3"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import KERNELS, STATE_NAMES, _tir
+from . import KERNELS, REFERENCES, STATE_NAMES, _tir
 
 KIND_SHAPES = {"kk": lambda dk, dv, n: (dk, dk), "kv": lambda dk, dv, n: (dk, dv),
                "k": lambda dk, dv, n: (dk,), "1": lambda dk, dv, n: (),
@@ -142,6 +142,44 @@ def decode(fam):
     names = STATE_NAMES[fam]
     return Chain(fam, (Call("decode", ("q", "k", "v", "gamma") + names, (("o", "o"),),
                             inplace=names),))
+
+
+def buffer_shapes(chain, B, H, Hkv, nc, dk, dv, n):
+    """{name: shape} of the per-chunk buffers `chain` writes (the output aside), for B batches,
+    H query and Hkv key/value heads, nc chunks of n tokens."""
+    kv = chain.kv_buffers()
+    return {name: (B, Hkv if name in kv else H, nc, *KIND_SHAPES[kind](dk, dv, n))
+            for name, kind in chain.kinds().items() if kind != "o"}
+
+
+def argument_shapes(chain, B, H, Hkv, T, dk, dv, n, dtype):
+    """[(call, [(shape, dtype) of each argument])] of every call of `chain` on q [B, H, T, dk]
+    with k, v of Hkv heads, inputs in `dtype` (a dtype name): what its kernels are called with
+    (`hla_tvm.backend.run_chain`), e.g. to specialize them for tuning."""
+    acc = _tir.accum_dtype(dtype)
+    decode = chain.calls[0].kernel == "decode"
+    kv = chain.kv_buffers()
+    state = REFERENCES[chain.family].state_shapes(B, H, dk, dv)
+    shapes = {"q": ((B, H, T, dk), dtype), "k": ((B, Hkv, T, dk), dtype),
+              "v": ((B, Hkv, T, dv), dtype), "o": ((B, H, T, dv), dtype),
+              "gamma": ((H,), acc)}
+    for name in chain.state_names:
+        heads = Hkv if name in kv and not decode else H
+        shapes[name] = ((B, heads, *state[name][2:]), acc)
+    nc = -(-T // n)
+    shapes.update({name: (shape, acc) for name, shape in
+                   buffer_shapes(chain, B, H, Hkv, nc, dk, dv, n).items()})
+    out = []
+    for call in chain.calls:
+        args = [((Hkv,), acc) if call.kv and x == "gamma" else shapes[x]
+                for x in call.reads + tuple(name for name, _ in call.writes)]
+        if call.kernel == "scan":   # state, increments (and record) flattened, as run_chain
+            heads = args[0][0][1]
+            w = scan_width(call.writes[0][1], dk, dv)
+            args = [((B, heads, w), acc), ((B, heads, nc, w), acc)] + args[2:-1] + \
+                [((B, heads, nc, w), acc)]
+        out.append((call, args))
+    return out
 
 
 def scan_width(kind, dk, dv):

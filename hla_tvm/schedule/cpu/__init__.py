@@ -18,13 +18,15 @@ def _lanes(target):
     return vector_lanes(target)
 
 
-def apply(sch, func_name, target=None):
+def apply(sch, func_name, target=None, tunable=False):
     """Apply every default CPU rule to `func_name` in the schedule `sch` (in place): the outer
     (batch, head, chunk) loops in parallel, register-tiled GEMM blocks for `target`'s vector
-    width (the current or host target when None), the other innermost loops vectorized."""
+    width (the current or host target when None), the other innermost loops vectorized.
+    tunable: the tile shapes become sampled decisions (the design space meta_schedule tunes;
+    its first point is this default schedule)."""
     sch.work_on(func_name)
     parallel_outer(sch, func_name)
-    chunk_gemm(sch, func_name, _lanes(target))
+    chunk_gemm(sch, func_name, _lanes(target), tunable)
     vectorize_inner(sch, func_name)
     return sch
 

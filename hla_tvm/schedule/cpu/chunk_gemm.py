@@ -32,6 +32,26 @@ def tile(rows_ext, cols_ext, lanes):
     return rows, cols
 
 
+def tile_choices(rows_ext, cols_ext, lanes):
+    """(rows candidates, cols candidates) a tuner may pick the register tile from: the row
+    counts from 2 dividing the output's rows up to 24 (AVX-512's accumulator budget) and one or
+    two vector registers of columns; None when the columns do not split into whole vectors."""
+    cols = [c for c in (lanes, 2 * lanes) if cols_ext % c == 0]
+    if not cols:
+        return None
+    # (a one-row tile has one loop fewer, which a recorded trace could not replay onto)
+    return [r for r in range(2, min(24, rows_ext) + 1) if rows_ext % r == 0], cols
+
+
+def _factor(sch, choices, default, tunable):
+    """`default`, or with tunable a categorical sample over `choices` whose decision starts at
+    `default` (a tuner's search then tries the others)."""
+    if not tunable or default not in choices or len(choices) == 1:
+        return default
+    return sch.sample_categorical([int(c) for c in choices], [1.0 / len(choices)] * len(choices),
+                                  decision=choices.index(default))
+
+
 def gemm_loops(sch, block):
     """(spatial loops, reduction loop) of a GEMM-shaped block's own loops, or None."""
     loops = own_loops(sch, block)
@@ -58,9 +78,10 @@ def _read_before(sch, block, blocks):
     return False
 
 
-def chunk_gemm(sch, func_name, lanes=8):
+def chunk_gemm(sch, func_name, lanes=8, tunable=False):
     """Tile every GEMM-shaped block of `func_name` (see the module docstring); `lanes`: float32
-    elements per vector register of the target."""
+    elements per vector register of the target. tunable: each tile's rows and columns are
+    sampled decisions (`tile_choices`) starting at the default `tile`, for meta_schedule."""
     blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
     for block in blocks:
         found = gemm_loops(sch, block)
@@ -72,7 +93,9 @@ def chunk_gemm(sch, func_name, lanes=8):
         shape = tile(ie, je, max(1, lanes * 32 // bits)) if ie and je else None
         if shape is None:
             continue
-        rows, cols = shape
+        rows_choices, cols_choices = tile_choices(ie, je, max(1, lanes * 32 // bits))
+        rows = _factor(sch, rows_choices, shape[0], tunable)
+        cols = _factor(sch, cols_choices, shape[1], tunable)
         io, ii = sch.split(i, factors=[None, rows])
         jo, ji = sch.split(j, factors=[None, cols])
         sch.reorder(*lead, io, jo, r, ii, ji)

@@ -1,0 +1,107 @@
+"""Tuned schedules: `hla-tvm tune` writes meta_schedule records, and the kernels compiled from
+them (trace replayed on the symbolic kernels) still equal the float64 recurrences; bad records
+folders give clear errors, never a crash."""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import make_qkv, rel_err
+from hla_tvm import decode_, hla
+from hla_tvm.cli import main
+from hla_tvm.reference import hla3
+from hla_tvm.schedule import records
+from hla_tvm.target import resolve
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tmp_path_factory):
+    """Records of third order at Dk=Dv=8, chunk 16, from a few trials."""
+    out = tmp_path_factory.mktemp("records")
+    assert main(["tune", "--op", "hla3", "--dk", "8", "--chunk-size", "16", "--trials", "4",
+                 "-o", str(out)]) == 0
+    return out
+
+
+def test_tune_writes_a_record_for_every_kernel(tuned_dir, capsys):
+    from hla_tvm import backend, operators
+
+    for name in records.FILES:
+        assert (tuned_dir / name).stat().st_size > 0
+    db = records.load(str(tuned_dir))
+    op = operators.get(3, False)
+    kernels = backend.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16,
+                                       dtype=torch.float32,
+                                       **op.options(masked=True, normalize=False, eps=1e-6,
+                                                    ridge=0.0))
+    for name, (func, shapes) in kernels.items():
+        assert records.tuned(func, shapes, db, resolve(None)) is not None, name
+
+
+def test_kernels_from_records_match_the_serial_recurrence(tuned_dir):
+    q, k, v = make_qkv(2, 3, 41, 8, 8, seed=3)
+    want, want_st = hla3.serial(q, k, v)
+    out, st = hla(q.float(), k.float(), v.float(), order=3, chunk_size=16, return_state=True,
+                  schedules=str(tuned_dir))
+    assert rel_err(out, want) < 1e-4
+    # one more token through the decode kernel built from the records
+    q1, k1, v1 = make_qkv(2, 3, 1, 8, 8, seed=4)
+    o1 = decode_(q1[:, :, 0].float(), k1[:, :, 0].float(), v1[:, :, 0].float(), st, order=3,
+                 schedules=str(tuned_dir))
+    want1, _ = hla3.serial(q1, k1, v1, state=want_st)
+    assert rel_err(o1, want1[:, :, 0]) < 1e-4
+
+
+def test_auto_finds_the_records_of_the_target(tuned_dir, tmp_path, monkeypatch):
+    target = resolve(None)
+    folder = tmp_path / "schedules" / records.target_folder(target)
+    folder.mkdir(parents=True)
+    for name in records.FILES:
+        (folder / name).write_bytes((tuned_dir / name).read_bytes())
+    monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path))
+    records.forget()
+    try:
+        assert records.resolve("auto", target) == str(folder)
+        assert records.resolve("default", target) is None
+    finally:
+        records.forget()
+
+
+def test_bad_records_folders_give_clear_errors(tuned_dir, tmp_path):
+    q, k, v = make_qkv(1, 2, 20, 8, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not a records folder"):
+        hla(q, k, v, order=3, schedules=str(tmp_path / "missing"))
+    with pytest.raises(TypeError, match="schedules must be"):
+        hla(q, k, v, order=3, schedules=3)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "database_workload.json").write_bytes((tuned_dir /
+                                                     "database_workload.json").read_bytes())
+    text = (tuned_dir / "database_tuning_record.json").read_text()
+    (broken / "database_tuning_record.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="database_tuning_record.json"):
+        hla(q, k, v, order=3, chunk_size=16, schedules=str(broken))
+    # well-formed JSON that is not a meta_schedule database
+    (broken / "database_tuning_record.json").write_text(json.dumps({"not": "records"}) + "\n")
+    with pytest.raises(ValueError):
+        hla(q, k, v, order=3, chunk_size=16, schedules=str(broken))
+    assert os.path.isdir(tuned_dir)
+
+
+def test_records_of_another_cpu_give_a_notice(tuned_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "database_workload.json").write_bytes((tuned_dir /
+                                                    "database_workload.json").read_bytes())
+    lines = []
+    for line in (tuned_dir / "database_tuning_record.json").read_text().splitlines():
+        rec = json.loads(line)
+        rec[1][2]["mcpu"] = "skylake-avx512" if rec[1][2].get("mcpu") != "skylake-avx512" \
+            else "znver4"
+        lines.append(json.dumps(rec))
+    (other / "database_tuning_record.json").write_text("\n".join(lines) + "\n")
+    records.forget()
+    with pytest.warns(UserWarning, match="were tuned for"):
+        records.find(str(other), resolve(None))
+    records.forget()
