@@ -1,6 +1,8 @@
 """`hla-tvm bench decode|prefill`: the compiled kernels beside the strongest PyTorch forms,
 measured in one process, one table with ratios (and optionally JSON).
 
+tvm runs the default schedules; tvm_tuned (where `hla-tvm tune` wrote records for this machine)
+the tuned ones.
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
          the state), torch (`fast.step`, in place), torch_compile (torch.compile of it),
          state_copy (copying the state's bytes once: the floor of a memory-bound step)
@@ -84,6 +86,7 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
     kv_state = get(kw.get("order", 2), kw.get("asymmetric", False)).kv_state
     full = {n: (_repeat_kv(x, heads) if n in kv_state else x) for n, x in st.items()}
     states = {"tvm": {n: x.clone() for n, x in st.items()},
+              "tvm_tuned": {n: x.clone() for n, x in st.items()},
               "torch": {n: x.clone() for n, x in full.items()},
               "torch_compile": {n: x.clone() for n, x in full.items()}}
     step = STEPS[op]
@@ -94,8 +97,9 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
         for n, x in st.items():
             dst[n].copy_(x)
 
-    return {
-        "tvm": lambda: decode_(q1, k1, v1, states["tvm"], decay=decay, **kw),
+    cases = {
+        "tvm": lambda: decode_(q1, k1, v1, states["tvm"], decay=decay, schedules="default",
+                               **kw),
         "tvm_hla": lambda: hla(q4, k4, v4, state=st, decay=decay, return_state=True, **kw),
         "torch": lambda: step(q1, _repeat_kv(k1, heads), _repeat_kv(v1, heads),
                               states["torch"], decay=decay),
@@ -103,6 +107,18 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
                                           states["torch_compile"], decay=decay),
         "state_copy": state_copy,
     }
+    if _tuned_records():
+        cases["tvm_tuned"] = lambda: decode_(q1, k1, v1, states["tvm_tuned"], decay=decay,
+                                             schedules="auto", **kw)
+    return cases
+
+
+def _tuned_records():
+    """True when `hla-tvm tune` wrote records for this machine (schedules="auto" finds them)."""
+    from .schedule import records
+    from .target import resolve
+
+    return records.find("auto", resolve(None))[0] is not None
 
 
 def hla2_prefill_flops(B, H, T, dk, dv, n):
@@ -119,7 +135,11 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, seq, dk, dv, kv_heads)
-    cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size, **kw)}
+    cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
+                                schedules="default", **kw)}
+    if _tuned_records():
+        cases["tvm_tuned"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
+                                         schedules="auto", **kw)
     if decay is None:
         def fast(q, k, v):
             return CHUNKED[op](q, _repeat_kv(k, heads), _repeat_kv(v, heads),

@@ -53,7 +53,7 @@ def test_kernels_from_records_match_the_serial_recurrence(tuned_dir):
     assert rel_err(o1, want1[:, :, 0]) < 1e-4
 
 
-def test_auto_finds_the_records_of_the_target(tuned_dir, tmp_path, monkeypatch):
+def test_auto_finds_the_records_of_the_target(tuned_dir, tmp_path, monkeypatch, capsys):
     target = resolve(None)
     folder = tmp_path / "schedules" / records.target_folder(target)
     folder.mkdir(parents=True)
@@ -64,6 +64,10 @@ def test_auto_finds_the_records_of_the_target(tuned_dir, tmp_path, monkeypatch):
     try:
         assert records.resolve("auto", target) == str(folder)
         assert records.resolve("default", target) is None
+        # the bench then times the tuned kernels beside the default ones
+        assert main(["bench", "decode", "--op", "hla3", "--heads", "2", "--dk", "8",
+                     "--repeat", "1"]) == 0
+        assert "tvm_tuned" in capsys.readouterr().out
     finally:
         records.forget()
 
