@@ -44,6 +44,15 @@ def stage(dst, src, b, hh, c, n, width, L, name, group=1):
 
 
 @T.macro
+def scale_rows(dst, w, src, b, hh, c, rows, cols, name):
+    """dst[b, h, c, s, x] = w[b, h, c, s] src[b, h, c, s, x]: a chunk's rows weighted (decay)."""
+    for s, x in T.grid(rows, cols):
+        with T.sblock(name):
+            vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
+            dst[vb, vh, vc, vs, vx] = w[vb, vh, vc, vs] * src[vb, vh, vc, vs, vx]
+
+
+@T.macro
 def transpose(dst, src, b, hh, c, rows, cols, name):
     """dst[b, h, c, i, t] = src[b, h, c, t, i] (rows x cols -> cols x rows)."""
     for i, t in T.grid(cols, rows):
@@ -113,6 +122,25 @@ def chunk_scan(width: int, dtype="float32", *, group=1, decayed=True):
     increments dX are known, so the sequential work of a prefill is element-wise only."""
     acc = accum_dtype(dtype)
 
+    @T.macro
+    def steps(X, dX, gl, Xc, b, h, NC, group, decayed):
+        """Chunk by chunk: Xc[c] = X, then X = gl[c] X + dX[c] (X + dX[c] without decay)."""
+        for c in T.serial(NC):
+            for i in T.serial(width):
+                with T.sblock("record"):
+                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
+                    Xc[vb, vh, vc, vi] = X[vb, vh, vi]
+            for i in T.serial(width):
+                with T.sblock("advance"):   # a fold over the chunks, in place on X
+                    vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
+                    with T.init():
+                        X[vb, vh, vi] = X[vb, vh, vi]
+                    if decayed:
+                        X[vb, vh, vi] = gl[vb, vh // group, vc] * X[vb, vh, vi] \
+                            + dX[vb, vh, vc, vi]
+                    else:
+                        X[vb, vh, vi] = X[vb, vh, vi] + dX[vb, vh, vc, vi]
+
     @T.prim_func(s_tir=True)
     def scan(X_h: T.handle, dX_h: T.handle, gl_h: T.handle, Xc_h: T.handle):
         B = T.int64()
@@ -123,18 +151,7 @@ def chunk_scan(width: int, dtype="float32", *, group=1, decayed=True):
         gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
         for b, h in T.grid(B, H):
-            for c in T.serial(NC):
-                for i in T.serial(width):
-                    with T.sblock("record"):
-                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
-                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
-                for i in T.serial(width):
-                    with T.sblock("advance"):   # a fold over the chunks, in place on X
-                        vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
-                        with T.init():
-                            X[vb, vh, vi] = X[vb, vh, vi]
-                        X[vb, vh, vi] = gl[vb, vh // group, vc] * X[vb, vh, vi] \
-                            + dX[vb, vh, vc, vi]
+            steps(X, dX, gl, Xc, b, h, NC, group, True)
 
     @T.prim_func(s_tir=True)
     def prefix_sum(X_h: T.handle, dX_h: T.handle, Xc_h: T.handle):
@@ -145,17 +162,7 @@ def chunk_scan(width: int, dtype="float32", *, group=1, decayed=True):
         dX = T.match_buffer(dX_h, (B, H, NC, width), acc)
         Xc = T.match_buffer(Xc_h, (B, H, NC, width), acc)
         for b, h in T.grid(B, H):
-            for c in T.serial(NC):
-                for i in T.serial(width):
-                    with T.sblock("record"):
-                        vb, vh, vc, vi = T.axis.remap("SSSS", [b, h, c, i])
-                        Xc[vb, vh, vc, vi] = X[vb, vh, vi]
-                for i in T.serial(width):
-                    with T.sblock("advance"):
-                        vb, vh, vi, vc = T.axis.remap("SSSR", [b, h, i, c])
-                        with T.init():
-                            X[vb, vh, vi] = X[vb, vh, vi]
-                        X[vb, vh, vi] = X[vb, vh, vi] + dX[vb, vh, vc, vi]
+            steps(X, dX, None, Xc, b, h, NC, 1, False)
 
     return scan if decayed else prefix_sum
 

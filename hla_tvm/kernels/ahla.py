@@ -22,7 +22,7 @@ from tvm.script import tirx as T
 
 from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
     load_token as _load_token, powers as _powers, const, matmul as _matmul, matvec as _matvec, \
-    stage as _stage, transpose as _transpose
+    scale_rows as _scale_rows, stage as _stage, transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
@@ -83,10 +83,7 @@ def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
             _decay_weights(tail, gl, g, b, hh, c, n, L)
-            for s, x in T.grid(n, dv):
-                with T.sblock("Vt"):
-                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
-                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _scale_rows(Vt, tail, Vc, b, hh, c, n, dv, "Vt")
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
             _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
 
@@ -130,10 +127,7 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
-            for s, x in T.grid(n, dv):
-                with T.sblock("Vt"):
-                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
-                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _scale_rows(Vt, tail, Vc, b, hh, c, n, dv, "Vt")
             _matmul(R, Kc, Qc, b, hh, c, dk, dk, n, True, "R")
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):

@@ -28,7 +28,7 @@ import functools
 from tvm.script import tirx as T
 
 from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
-    update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
+    scale_rows as _scale_rows, update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
     vecmat as _vecmat, write_token as _write_token, chunk_len, const, gpow, matmul as _matmul, \
     matvec as _matvec, powers as _powers, stage as _stage, transpose as _transpose
 
@@ -121,10 +121,7 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
         for b, hh, c in T.grid(B, H, NC):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             _decay_weights(tail, gl, g, b, hh, c, n, L)
-            for s, i in T.grid(n, dk):
-                with T.sblock("Kt"):
-                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
-                    Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
+            _scale_rows(Kt, tail, Kc, b, hh, c, n, dk, "Kt")
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
 

@@ -28,7 +28,8 @@ from tvm.script import tirx as T
 from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
     load_token as _load_token, powers as _powers, update_outer as _update_outer, \
     vecmat as _vecmat, const, \
-    matmul as _matmul, matvec as _matvec, stage as _stage, transpose as _transpose
+    matmul as _matmul, matvec as _matvec, scale_rows as _scale_rows, stage as _stage, \
+    transpose as _transpose
 
 
 def decode(dk: int, dv: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
@@ -96,14 +97,8 @@ def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc")
             _decay_weights(tail, gl, g, b, hh, c, n, L)
-            for s, i in T.grid(n, dk):
-                with T.sblock("Kt"):
-                    vb, vh, vc, vs, vi = T.axis.remap("SSSSS", [b, hh, c, s, i])
-                    Kt[vb, vh, vc, vs, vi] = tail[vb, vh, vc, vs] * Kc[vb, vh, vc, vs, vi]
-            for s, x in T.grid(n, dv):
-                with T.sblock("Vt"):
-                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
-                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
+            _scale_rows(Kt, tail, Kc, b, hh, c, n, dk, "Kt")
+            _scale_rows(Vt, tail, Vc, b, hh, c, n, dv, "Vt")
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
             _matmul(dP, Kc, Vt, b, hh, c, dk, dv, n, True, "dP")
             _matvec(dm, KT, tail, b, hh, c, dk, n, False, "dm")
