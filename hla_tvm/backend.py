@@ -65,14 +65,8 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
 
     def make():
         kernels = tuning_kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
-        if path is None:
-            return {name: func for name, (func, _) in kernels.items()}
-        db = records.load(path)
-        out = {}
-        for name, (func, shapes) in kernels.items():
-            tuned = records.tuned(func, shapes, db, target)
-            out[name] = func if tuned is None else tuned.with_attr(build.TUNED, True)
-        return out
+        return records.pick(kernels, None if path is None else records.load(path), target,
+                            where=f" in {path}")
 
     return build.load_or_build(spec, make, target)
 
@@ -90,16 +84,12 @@ def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
 
 def tuning_kernels(chain, dk, dv, *, chunk=None, group=1, dtype, **opts):
     """{function name: (PrimFunc, argument shapes)} of `chain`'s kernels, the shapes those of a
-    call at the tuning shape (`schedule.records.TUNE_SHAPE`: batch 1, 8 query heads or the
-    next multiple of group, 4096 tokens; one for decode)."""
-    from .schedule.records import TUNE_SHAPE
+    call at the tuning shape (`schedule.records.chain_shapes`)."""
+    from .schedule.records import chain_shapes
 
-    H = -(-TUNE_SHAPE["heads"] // group) * group
-    T = 1 if chain.calls[0].kernel == "decode" else TUNE_SHAPE["seq"]
     funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, dtype=dtype, **opts)
     out = {}
-    for call, shapes in chains.argument_shapes(chain, TUNE_SHAPE["batch"], H, H // group, T,
-                                               dk, dv, chunk or 1, dtype):
+    for call, shapes in chain_shapes(chain, dk, dv, chunk=chunk, group=group, dtype=dtype):
         name = chains.kernel_name(chain, call, dk, dv, group)
         out[name] = (funcs[name], shapes)
     return out

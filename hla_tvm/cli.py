@@ -45,21 +45,34 @@ def _tune(args):
     from .schedule import records, tune
     from .target import parse, resolve
 
+    from .target import cross_compiler
+
     target = resolve(parse(args.target))
     if target.kind.name != "llvm":
         raise NotImplementedError(f"tuning for {target.kind.name} targets is not written yet "
                                   "(llvm only)")
-    op = operators.get(3 if args.op == "hla3" else 2, args.op == "ahla")
-    if args.heads % args.kv_heads:
-        raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-    kernels = backend.operator_kernels(
-        op, decayed=args.decay, dk=args.dk, dv=args.dv or args.dk, chunk=args.chunk_size,
-        group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype),
-        **op.options(masked=True, normalize=args.normalize, eps=1e-6, ridge=0.0))
+    if (args.rpc_tracker is None) != (args.rpc_key is None):
+        raise ValueError("--rpc-tracker and --rpc-key go together")
+    rpc = (args.rpc_tracker, args.rpc_key) if args.rpc_tracker else None
+    if rpc is None and cross_compiler(target) is not None:
+        raise ValueError(f"this machine cannot run code for {target.attrs.get('mtriple')}: "
+                         "measure on the device with --rpc-tracker HOST:PORT --rpc-key KEY")
+    if rpc is not None:
+        tune.rpc_runner(*rpc)   # an unreachable tracker or a missing server fails here
+    if args.model:
+        kernels, what = _model_kernels(args.model), args.model
+    else:
+        op = operators.get(3 if args.op == "hla3" else 2, args.op == "ahla")
+        if args.heads % args.kv_heads:
+            raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+        kernels, what = backend.operator_kernels(
+            op, decayed=args.decay, dk=args.dk, dv=args.dv or args.dk, chunk=args.chunk_size,
+            group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype),
+            **op.options(masked=True, normalize=args.normalize, eps=1e-6, ridge=0.0)), args.op
     out = args.output or os.path.join(records.user_root(), records.target_folder(target))
-    print(f"tuning {len(kernels)} kernels of {args.op} for {records.target_folder(target)} "
+    print(f"tuning {len(kernels)} kernels of {what} for {records.target_folder(target)} "
           f"({args.trials} trials); records go to {out}")
-    report = tune.tune(kernels, target, args.trials, out)
+    report = tune.tune(kernels, target, args.trials, out, rpc=rpc)
     records.forget()
     print(f"{'kernel':<28}{'default':>12}{'tuned':>12}  kept")
     for name, r in report.items():
@@ -68,8 +81,29 @@ def _tune(args):
     found = records.resolve("auto", target)
     use = "schedules='auto' (the default)" if found and os.path.samefile(found, out) else \
         f"schedules={out!r}"
-    print(f"hla(), decode_() and the kernels they compile use these records with {use}")
+    print(f"hla(), decode_(), hla_tvm.compile() and hla-tvm compile use these records with "
+          f"{use}")
     return 0
+
+
+def _model_kernels(path):
+    """The HLA kernels of the model at `path` (a checkpoint or an ONNX file), as `compile`
+    would build them: {name: (PrimFunc, argument shapes at the tuning shape)}."""
+    from .schedule.model import kernels
+
+    if str(path).endswith(".onnx"):
+        from .onnx.importer import lm_module
+
+        mod = lm_module(path)[0]
+    else:
+        from .compiler import to_relax
+        from .models import HLALM
+
+        mod = to_relax(HLALM.load(path))
+    found = kernels(mod)
+    if not found:
+        raise ValueError(f"{path}: the model holds no HLA kernels to tune")
+    return found
 
 
 def _decay(text):
@@ -96,7 +130,8 @@ def _compile(args):
             raise ValueError("--max-batch applies to checkpoints, not ONNX models")
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
               f"{tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
-        out = compile_onnx(args.checkpoint, target=tgt, out=args.output)
+        out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
+                           schedules=args.schedules)
     else:
         from .compiler import compile as compile_model
         from .models import HLALM
@@ -104,8 +139,9 @@ def _compile(args):
         model = HLALM.load(args.checkpoint)
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
               f"parameters) for {tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
-        out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch)
-    print(f"wrote {out}")
+        out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
+                            schedules=args.schedules)
+    print(f"wrote {out} (hla-tvm run {out} --info describes it)")
     return 0
 
 
@@ -141,8 +177,13 @@ def _run(args):
 
     from .runtime import load
 
-    prompt = _prompt_ids(args.prompt_ids)
+    if args.prompt_ids is None and not args.info:
+        raise ValueError("--prompt-ids is required (or --info to describe the module)")
+    prompt = None if args.info else _prompt_ids(args.prompt_ids)
     m = load(args.module, threads=args.threads)
+    if args.info:
+        print(_module_info(args.module, m.meta))
+        return 0
     state = m.init_state(1)
     t0 = time.perf_counter()
     logits, state = m.prefill(np.array([prompt]), state)
@@ -159,6 +200,35 @@ def _run(args):
     print(f"prefill {len(prompt)} tokens: {t_prefill * 1e3:.2f} ms; decode: {rate}",
           file=sys.stderr)
     return 0
+
+
+def _module_info(path, meta):
+    """The metadata of a compiled module, a few lines for people."""
+    lines = [f"{path}: hla_tvm module, format {meta.get('format')}"]
+    cfg = meta.get("config") or {}
+    if cfg:
+        lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
+    lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
+                 f"max batch: {meta.get('max_batch') or 'any'}")
+    lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(
+        f"{n} {'x'.join(map(str, s))}" for n, s, _ in meta.get("state", [])[:4])
+        + (" ..." if len(meta.get("state", [])) > 4 else ""))
+    for key in ("weights_sha256", "onnx_sha256"):
+        if meta.get(key):
+            lines.append(f"{key}: {meta[key]}")
+    sched = meta.get("schedules")
+    if sched is None:
+        lines.append("schedules: default (compiled before tuned records were recorded)")
+    else:
+        where = sched.get("records") or "none (default schedules)"
+        lines.append(f"schedules for {sched.get('target')}: records {where}"
+                     + (f" (sha256 {sched['records_sha256']})" if sched.get("records_sha256")
+                        else ""))
+        for kind in ("tuned", "default"):
+            names = sched.get(kind, [])
+            lines.append(f"  {kind}: {len(names)} kernel(s)" +
+                         (": " + ", ".join(names) if names else ""))
+    return "\n".join(lines)
 
 
 def _cache(args):
@@ -248,6 +318,10 @@ def build_parser():
     k.add_argument("--max-batch", type=_positive, default=None,
                    help="upper bound of the batch size (lets TVM plan memory statically; "
                         "larger batches are refused at run time)")
+    k.add_argument("--schedules", default="auto", metavar="auto|default|DIR",
+                   help="auto: tuned records for the target where they exist (the user's from "
+                        "`hla-tvm tune`, else the shipped ones), the default schedules for the "
+                        "other kernels; default: no records; DIR: that records folder")
     k.set_defaults(func=_compile)
 
     x = command("export-onnx", help="export an HLALM checkpoint to ONNX with hla_tvm::HLA nodes "
@@ -265,7 +339,10 @@ def build_parser():
 
     r = command("run", help="greedy generation with a compiled module (TVM runtime only)")
     r.add_argument("module", help="a library written by `hla-tvm compile`")
-    r.add_argument("--prompt-ids", required=True, help="prompt token ids, e.g. 1,2,3")
+    r.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
+    r.add_argument("--info", action="store_true",
+                   help="print the module's metadata (model, state layout, which kernels use "
+                        "tuned records) and exit")
     r.add_argument("--steps", type=_positive, default=16,
                    help="tokens to generate")
     r.add_argument("--threads", type=_positive, default=None,
@@ -273,17 +350,26 @@ def build_parser():
                         "physical core)")
     r.set_defaults(func=_run)
 
-    t = command("tune", help="auto-tune one operator's kernels for this CPU with meta_schedule "
-                             "and write tuned records (used by hla(), decode_() with "
-                             "schedules='auto')",
+    t = command("tune", help="auto-tune an operator's or a model's HLA kernels with "
+                             "meta_schedule and write tuned records (used by hla(), decode_(), "
+                             "compile with schedules='auto')",
                 description="Tune the prefill and decode kernels of one operator configuration "
+                            "(--op and options) or of a model (a checkpoint or an ONNX file) "
                             "with TVM's meta_schedule (evolutionary search, XGBoost cost model, "
-                            "local runner) at batch 1, 8 heads, 4096 tokens, then time each "
-                            "kernel's best trial beside its default schedule and keep the "
+                            "local runner, or the devices of an RPC tracker) at batch 1, 8 "
+                            "heads, 4096 tokens, then time each kernel's best trial beside its "
+                            "default schedule and keep the tuned one only when it is 3 percent "
                             "faster. Records go to ~/.cache/hla_tvm/schedules/<target>/ (or -o "
                             "DIR; run again with the same folder to resume and add trials). On "
-                            "a 2-core machine a trial takes about 3 s; 100 trials (5 minutes) "
-                            "give every kernel of an operator a first look.")
+                            "a 2-core machine a trial takes about 3 s after a minute of start "
+                            "up; 48 trials (3 minutes) give each kernel of an operator a few "
+                            "candidates. Gains measured here so far are per kernel (up to "
+                            "1.4x on some chunk kernels), not on whole prefills: see "
+                            "docs/tuning.md.")
+    t.add_argument("model", nargs="?", default=None,
+                   help="a checkpoint (HLALM.save) or an ONNX model with hla_tvm::HLA nodes: "
+                        "tune the HLA kernels `hla-tvm compile` builds for it (instead of "
+                        "--op and the options below)")
     t.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
                    help="operator: second order, asymmetric (AHLA) or third order")
     t.add_argument("--decay", action="store_true",
@@ -302,6 +388,13 @@ def build_parser():
                    help="measured candidates in all, shared among the kernels")
     t.add_argument("-o", "--output", default=None, metavar="DIR",
                    help="records folder (default: the user's folder for the target)")
+    t.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on devices registered with this TVM RPC tracker (python -m "
+                        "tvm.exec.rpc_tracker) instead of this machine; candidates are built "
+                        "here (cross-linked for an aarch64 --target)")
+    t.add_argument("--rpc-key", default=None, metavar="KEY",
+                   help="the key the device's server registered with (python -m "
+                        "tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
     t.set_defaults(func=_tune)
 
     c = command("cache", help="show (or --clear) the compiled-kernel cache folder")

@@ -105,9 +105,10 @@ def merge_entries(mods):
 
 
 def cpu_pipeline(target):
-    """TVM's CPU Relax pipeline with default schedules for the legalized ops between the HLA
-    kernels (`MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU GEMV and reduction
-    rules, then `ParallelFallback`)."""
+    """TVM's CPU Relax pipeline: the HLA kernels not scheduled yet get their default rules
+    (`schedule.model.schedule_kernels`), the legalized ops between them default schedules
+    (`MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU GEMV and reduction rules,
+    then `ParallelFallback`)."""
     import tvm
     from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu
@@ -115,9 +116,11 @@ def cpu_pipeline(target):
 
     from .schedule.cpu.matmul_tiles import MatmulTiles
     from .schedule.cpu.parallel_fallback import ParallelFallback
+    from .schedule.model import schedule_kernels
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod, _ctx):
+        mod = schedule_kernels(mod, target)[0]
         seq = tvm.transform.Sequential(
             cpu.library_dispatch_passes(target) + cpu.legalize_passes(target)
             + [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
@@ -148,13 +151,12 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU) and write the library to `out`. Returns `out`.
 
-    schedules: "auto" uses tuned records from `schedules/` for the target where they exist and
-    the default schedules otherwise (no tuned records ship yet, so both mean the defaults);
-    "default" always uses the default schedules.
+    schedules: "auto" uses the tuned records for the target (the user's, else the shipped
+    `schedules/<target>/`) where they exist and the default schedules for kernels without
+    one; "default" always the default schedules; a path that records folder. The module's
+    metadata says which kernels were tuned (`hla-tvm run --info`).
     max_batch: an upper bound of the batch size (TVM then plans memory statically); the
     runtime refuses larger batches."""
-    if schedules not in ("auto", "default"):
-        raise ValueError(f"schedules must be 'auto' or 'default', got {schedules!r}")
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
             raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
@@ -163,6 +165,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
                                   or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
     tgt = resolve_cpu_target(target)
+    records_path = records_folder(schedules, tgt)
     from .models.hlalm import weights_digest
 
     config = getattr(model, "config", None)
@@ -171,7 +174,18 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict())}
     mod = to_relax(model, max_batch=max_batch)
-    return build(mod, meta, tgt, out)
+    return build(mod, meta, tgt, out, records_path)
+
+
+def records_folder(schedules, target):
+    """The records folder schedules= names for `target` (None: the default schedules), checked
+    before any model work."""
+    from .schedule import records
+
+    path = records.resolve(schedules, target)
+    if path is not None:
+        records.load(path)   # a corrupt database fails here, with its file and line
+    return path
 
 
 def resolve_cpu_target(target):
@@ -186,14 +200,22 @@ def resolve_cpu_target(target):
     return tgt
 
 
-def build(mod, meta, target, out):
+def build(mod, meta, target, out, records_path=None):
     """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
-    `target` and write the sealed library to `out` (atomically). Returns `out`."""
+    `target`, its HLA kernels scheduled from the records folder `records_path` where it holds
+    their records, and write the sealed library to `out` (atomically). Returns `out`."""
     import tvm
 
     from . import libfile
     from .frontend.safe_take import safe_take
+    from .schedule import records
+    from .schedule.model import schedule_kernels
 
+    mod, used = schedule_kernels(mod, target, records_path)
+    meta = {**meta, "schedules": {
+        "target": records.target_folder(target), "records": records_path,
+        "records_sha256": None if records_path is None else records.digest(records_path),
+        **used}}
     mod = _with_meta(safe_take(mod), meta)
     with target:
         exe = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))

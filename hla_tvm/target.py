@@ -62,3 +62,28 @@ def resolve(target):
             raise ValueError(f"target={target!r}: LLVM does not know the CPU {mcpu!r} for "
                              f"{triple}")
     return tgt
+
+
+CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc", "arm64": "aarch64-linux-gnu-gcc"}
+
+
+def cross_compiler(target):
+    """The C compiler command that links libraries for `target` (a resolved Target): None when
+    it is this machine's own (no mtriple, or the host's architecture); ValueError naming the
+    package to install when the cross compiler is missing."""
+    import platform
+    import shutil
+
+    cpu = target if target.kind.name == "llvm" else target.host
+    triple = str(cpu.attrs.get("mtriple", "") or "") if cpu is not None else ""
+    arch = triple.split("-")[0]
+    if not arch or arch == platform.machine() or (arch, platform.machine()) == ("x86_64", "AMD64"):
+        return None
+    cc = CROSS_COMPILERS.get(arch)
+    if cc is None:
+        raise ValueError(f"no cross compiler known for {triple!r} (known: "
+                         f"{', '.join(sorted(CROSS_COMPILERS))})")
+    if shutil.which(cc) is None:
+        raise ValueError(f"linking for {triple} needs {cc} (Debian/Ubuntu: apt install "
+                         "gcc-aarch64-linux-gnu)")
+    return cc

@@ -126,8 +126,10 @@ def test_cli_compile_and_run(tmp_path, capsys):
 
 def test_compile_argument_checks(tmp_path):
     model = HLALM(VOCAB, 16, 1, 2)
-    with pytest.raises(ValueError, match="schedules must be"):
+    with pytest.raises(ValueError, match="not a records folder"):
         compile_model(model, out=tmp_path / "m.so", schedules="tuned")
+    with pytest.raises(TypeError, match="schedules must be"):
+        compile_model(model, out=tmp_path / "m.so", schedules=3)
     with pytest.raises(TypeError, match="HLALM-like"):
         compile_model(torch.nn.Linear(2, 2), out=tmp_path / "m.so")
     with pytest.raises(ValueError, match="max_batch"):

@@ -109,3 +109,49 @@ def test_records_of_another_cpu_give_a_notice(tuned_dir, tmp_path):
     with pytest.warns(UserWarning, match="were tuned for"):
         records.find(str(other), resolve(None))
     records.forget()
+
+
+def test_tuned_model_compiles_with_its_records(tmp_path, capsys):
+    """hla-tvm tune CHECKPOINT tunes the model's HLA kernels; hla_tvm.compile(schedules=PATH)
+    schedules them from those records, says so in the module's metadata (`hla-tvm run
+    --info`), and still equals the float64 model."""
+    import numpy as np
+
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+    from hla_tvm.runtime import load
+
+    torch.manual_seed(0)
+    model = HLALM(40, 16, 1, 2, order=3, n_kv_heads=1, chunk_size=16).eval()
+    model.save(tmp_path / "ck.pt")
+    out = tmp_path / "records"
+    assert main(["tune", str(tmp_path / "ck.pt"), "--trials", "3", "-o", str(out)]) == 0
+    assert "kernels of " + str(tmp_path / "ck.pt") in capsys.readouterr().out
+    path = compile_model(model, out=tmp_path / "m.so", schedules=str(out))
+    m = load(path)
+    used = m.meta["schedules"]
+    assert used["records"] == str(out) and used["records_sha256"]
+    assert len(used["tuned"]) >= 6 and used["default"] == []
+    tokens = np.random.default_rng(0).integers(0, 40, (2, 37))
+    logits, state = m.prefill(tokens, m.init_state(2))
+    with torch.no_grad():
+        ref, ref_state = model.double()(torch.as_tensor(tokens))
+    assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    logits, _ = m.decode(tokens[:, 0], state)
+    with torch.no_grad():
+        ref, _ = model(torch.as_tensor(tokens[:, :1]), ref_state)
+    assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
+    assert main(["run", str(path), "--info"]) == 0
+    out = capsys.readouterr().out
+    assert f"tuned: {len(used['tuned'])} kernel(s)" in out and "default: 0 kernel(s)" in out
+
+
+def test_compiled_model_without_records_says_default(tmp_path):
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+    from hla_tvm.runtime import load
+
+    path = compile_model(HLALM(40, 16, 1, 2, chunk_size=16), out=tmp_path / "m.so",
+                         schedules="default")
+    used = load(path).meta["schedules"]
+    assert used["records"] is None and used["tuned"] == [] and len(used["default"]) >= 4

@@ -9,22 +9,25 @@ ceil(T / n) in the Relax shapes. State updates use call_tir_inplace, so a compil
 buffers in place."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from tvm import relax
 from tvm.tirx import IntImm
 
 from .. import operators
 from ..kernels import _tir, chains
-from ..schedule import cpu
+from ..schedule import records
 
 
-def _add(bb, name, make):
-    """The module's function `name`: make() scheduled with the default CPU rules, added once."""
+def _add(bb, name, make, shapes):
+    """The module's function `name`: make(), added once, carrying its argument `shapes` at the
+    tuning shape (scheduled when the module is built: `schedule.model.schedule_kernels`)."""
     existing = [gv for gv in bb.get().get_global_vars() if gv.name_hint == name]
     if existing:
         return existing[0]
-    func = cpu.scheduled(make().with_attr("global_symbol", name))
-    return bb.add_func(func.with_attr("tirx.is_scheduled", True), name)
+    func = make().with_attr("global_symbol", name)
+    return bb.add_func(func.with_attr(records.SHAPES_ATTR, json.dumps(shapes)), name)
 
 
 def _tt(shape, dtype):
@@ -76,11 +79,12 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     if group > 1 and gamma is not None:
         gamma_kv = bb.emit(relax.op.strided_slice(gamma, axes=[0], begin=[0], end=[int(H)],
                                                   strides=[group]))
-    for call in chain.calls:
+    tune_shapes = records.chain_shapes(chain, dk, dv, chunk=chunk, group=group, dtype=dtype)
+    for call, (_, call_shapes) in zip(chain.calls, tune_shapes):
         name = chains.kernel_name(chain, call, dk, dv, group)
         gv = _add(bb, f"{name}_{acc}" if call.kernel == "scan" else f"{name}_d{dk}x{dv}_{tag}",
                   lambda: chains.make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype,
-                                             group=group, **opts))
+                                             group=group, **opts), call_shapes)
         args = [gamma_kv if call.kv and x == "gamma" else env[x] for x in call.reads]
         heads = Hkv if call.kv else H
         types = [_tt(_shape(args[call.reads.index(x)]), acc) for x in call.inplace]

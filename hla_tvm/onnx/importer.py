@@ -281,14 +281,25 @@ def _decode_from_prefill(model):
     return model
 
 
-def compile(path, *, target="llvm", out="model.so"):  # noqa: A001
+def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: A001
     """Compile an ONNX language model with hla_tvm::HLA nodes (as `hla_tvm.onnx.export` writes)
     for `target` and write the library to `out`; `hla_tvm.runtime.load` opens it. A prefill
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
-    decode only (the runtime then runs a prompt token by token). Returns `out`."""
-    from ..compiler import MODULE_FORMAT, build, merge_entries, resolve_cpu_target
+    decode only (the runtime then runs a prompt token by token). schedules: as for
+    `hla_tvm.compile`. Returns `out`."""
+    from ..compiler import build, records_folder, resolve_cpu_target
 
     tgt = resolve_cpu_target(target)   # a bad target fails before any model work
+    records_path = records_folder(schedules, tgt)
+    mod, meta = lm_module(path)
+    return build(mod, meta, tgt, out, records_path)
+
+
+def lm_module(path):
+    """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
+    language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
+    from ..compiler import MODULE_FORMAT, merge_entries
+
     model = load_model(path)
     digest = content_digest(model)
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
@@ -301,4 +312,4 @@ def compile(path, *, target="llvm", out="model.so"):  # noqa: A001
     meta = {"format": MODULE_FORMAT, "state": sig["state"], "vocab_size": sig["vocab_size"],
             "config": sig["config"], "entries": sorted(mods), "source": "onnx",
             "max_batch": None, "onnx_sha256": digest}
-    return build(merge_entries(mods), meta, tgt, out)
+    return merge_entries(mods), meta

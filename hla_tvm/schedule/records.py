@@ -5,8 +5,9 @@ A records folder is a meta_schedule JSON database (`database_workload.json`,
 schedule. A workload is the kernel specialized to the tuning shape (`TUNE_SHAPE`: the shapes a
 prefill or decode of that size calls it with, `kernels.chains.argument_shapes`); the record's
 trace replays on the kernel with symbolic batch, heads and length, so one record serves every
-shape. Folders are per target (`target_folder`): the package's `schedules/<target>/` and the
-user's `~/.cache/hla_tvm/schedules/<target>/` (`hla-tvm tune` writes there by default).
+shape. Folders are per target (`target_folder`): the shipped `schedules/<target>/`
+(`package_root`) and the user's `~/.cache/hla_tvm/schedules/<target>/` (`hla-tvm tune` writes
+there by default).
 
 schedules= on the API and the CLI: "auto" (the records for the target where they exist, else
 the default schedules), "default", or the path of a records folder."""
@@ -19,6 +20,7 @@ import threading
 import warnings
 
 TUNE_SHAPE = {"batch": 1, "heads": 8, "seq": 4096}
+SHAPES_ATTR = "hla_tvm.tune_shapes"   # a model's kernel: its argument shapes at TUNE_SHAPE (JSON)
 FILES = ("database_workload.json", "database_tuning_record.json")
 
 
@@ -40,9 +42,11 @@ def user_root():
 
 
 def package_root():
-    """The `schedules/` folder shipped beside the package (a checkout's top-level folder)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "schedules")
+    """The shipped records: `hla_tvm/_schedules/` in an installed wheel (setup.py copies the
+    checkout's folder there), else the checkout's top-level `schedules/` folder."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = os.path.join(pkg, "_schedules")
+    return wheel if os.path.isdir(wheel) else os.path.join(os.path.dirname(pkg), "schedules")
 
 
 def resolve(schedules, target):
@@ -194,6 +198,18 @@ def _check_record(x, workloads):
     return None
 
 
+def chain_shapes(chain, dk, dv, *, chunk=None, group=1, dtype):
+    """[(call, argument shapes)] of every call of `chain` (`kernels.chains`) at the tuning
+    shape: batch 1, 8 query heads (or the next multiple of group), 4096 tokens (one for
+    decode); what its kernels are specialized to for tuning and for finding their records."""
+    from ..kernels import chains
+
+    H = -(-TUNE_SHAPE["heads"] // group) * group
+    T = 1 if chain.calls[0].kernel == "decode" else TUNE_SHAPE["seq"]
+    return chains.argument_shapes(chain, TUNE_SHAPE["batch"], H, H // group, T, dk, dv,
+                                  chunk or 1, dtype)
+
+
 def specialize(func, shapes):
     """`func` with its symbolic batch, heads and lengths fixed by the argument shapes `shapes`
     [(shape, dtype)], one per parameter (as meta_schedule measures it)."""
@@ -221,6 +237,26 @@ def workload(func, shapes):
     return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
 
 
+def pick(kernels, db, target, *, where=""):
+    """{name: PrimFunc} for kernels {name: (PrimFunc, argument shapes at TUNE_SHAPE)}: each one
+    scheduled from its record in `db` and marked `build.TUNED`, or as given (for the default
+    rules) where db is None or holds no record for it; a one-line notice names the kernels
+    left to the default schedules when db holds records for some only."""
+    from ..build import TUNED
+
+    out, missing = {}, []
+    for name, (func, shapes) in kernels.items():
+        t = None if db is None else tuned(func, shapes, db, target)
+        out[name] = func if t is None else t.with_attr(TUNED, True)
+        if t is None:
+            missing.append(name)
+    if db is not None and missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        warnings.warn(f"hla_tvm: {len(missing)} kernel(s) without a tuned record{where} use the "
+                      f"default schedule: {names} (hla-tvm tune writes records)", stacklevel=2)
+    return out
+
+
 def tuned(func, shapes, db, target):
     """`func` scheduled by its record in `db` (the trace replayed on the symbolic kernel), or
     None when `db` holds none for it."""
@@ -240,4 +276,6 @@ def tuned(func, shapes, db, target):
         warnings.warn(f"hla_tvm: the tuned record of {name} does not apply ({reason}); using "
                       "the default schedule")
         return None
-    return sch.mod["main"]
+    out = sch.mod["main"]
+    return out.with_attr("global_symbol", func.attrs["global_symbol"]) \
+        if func.attrs and "global_symbol" in func.attrs else out
