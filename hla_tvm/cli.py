@@ -60,7 +60,7 @@ def _tune(args):
     if rpc is not None:
         tune.rpc_runner(*rpc)   # an unreachable tracker or a missing server fails here
     if args.model:
-        kernels, what = _model_kernels(args.model), args.model
+        kernels, what = _model_kernels(args.model, target), args.model
     else:
         op = operators.get(3 if args.op == "hla3" else 2, args.op == "ahla")
         if args.heads % args.kv_heads:
@@ -86,10 +86,13 @@ def _tune(args):
     return 0
 
 
-def _model_kernels(path):
-    """The HLA kernels of the model at `path` (a checkpoint or an ONNX file), as `compile`
-    would build them: {name: (PrimFunc, argument shapes at the tuning shape)}."""
-    from .schedule.model import kernels
+def _model_kernels(path, target):
+    """The tunable functions of the model at `path` (a checkpoint or an ONNX file) as `compile`
+    builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
+    shapes at the tuning shape)}."""
+    from .compiler import legalize
+    from .frontend.safe_take import safe_take
+    from .schedule.model import tunable
 
     if str(path).endswith(".onnx"):
         from .onnx.importer import lm_module
@@ -100,9 +103,9 @@ def _model_kernels(path):
         from .models import HLALM
 
         mod = to_relax(HLALM.load(path))
-    found = kernels(mod)
+    found = tunable(legalize(safe_take(mod), target), target)
     if not found:
-        raise ValueError(f"{path}: the model holds no HLA kernels to tune")
+        raise ValueError(f"{path}: the model holds no HLA kernels or projections to tune")
     return found
 
 

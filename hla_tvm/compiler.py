@@ -104,34 +104,49 @@ def merge_entries(mods):
     return tvm.IRModule(funcs)
 
 
-def cpu_pipeline(target):
-    """TVM's CPU Relax pipeline: the HLA kernels not scheduled yet get their default rules
-    (`schedule.model.schedule_kernels`), the legalized ops between them default schedules
-    (`MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU GEMV and reduction rules,
-    then `ParallelFallback`)."""
+def legalize(mod, target):
+    """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's CPU
+    library-dispatch and legalization passes), the form whose functions are scheduled."""
     import tvm
-    from tvm import relax
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    with target:
+        return tvm.transform.Sequential(cpu.library_dispatch_passes(target)
+                                        + cpu.legalize_passes(target))(mod)
+
+
+def lowering_pipeline(target):
+    """The Relax pipeline after `legalize` and `schedule.model.schedule_model`: default
+    schedules for the functions not scheduled yet (`MatmulTiles` for x @ W[K, N] with its
+    epilogue, dlight's CPU GEMV and reduction rules, then `ParallelFallback`), then TVM's CPU
+    lowering and finalization passes."""
+    import tvm
     from tvm.relax.backend.cpu_generic import pipeline as cpu
     from tvm.s_tir import dlight as dl
 
     from .schedule.cpu.matmul_tiles import MatmulTiles
     from .schedule.cpu.parallel_fallback import ParallelFallback
-    from .schedule.model import schedule_kernels
+
+    return tvm.transform.Sequential(
+        [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
+                                 ParallelFallback())]
+        + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
+
+
+def cpu_pipeline(target):
+    """The whole CPU Relax pipeline with default schedules: `legalize`, the HLA kernels'
+    default rules (`schedule.model.schedule_model`), then `lowering_pipeline`."""
+    import tvm
+
+    from .schedule.model import schedule_model
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod, _ctx):
-        mod = schedule_kernels(mod, target)[0]
-        seq = tvm.transform.Sequential(
-            cpu.library_dispatch_passes(target) + cpu.legalize_passes(target)
-            + [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
-                                       ParallelFallback())]
-            + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
-        return seq(mod)
+        mod = schedule_model(legalize(mod, target), target)[0]
+        with target:
+            return lowering_pipeline(target)(mod)
 
-    del relax
     return _pipeline
-
-
 
 
 def _with_meta(mod, meta):
@@ -202,21 +217,22 @@ def resolve_cpu_target(target):
 
 def build(mod, meta, target, out, records_path=None):
     """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
-    `target`, its HLA kernels scheduled from the records folder `records_path` where it holds
-    their records, and write the sealed library to `out` (atomically). Returns `out`."""
+    `target`, its HLA kernels and projections scheduled from the records folder `records_path`
+    where it holds their records, and write the sealed library to `out` (atomically). Returns
+    `out`."""
     import tvm
 
     from . import libfile
     from .frontend.safe_take import safe_take
     from .schedule import records
-    from .schedule.model import schedule_kernels
+    from .schedule.model import schedule_model
 
-    mod, used = schedule_kernels(mod, target, records_path)
+    mod, used = schedule_model(legalize(safe_take(mod), target), target, records_path)
     meta = {**meta, "schedules": {
         "target": records.target_folder(target), "records": records_path,
         "records_sha256": None if records_path is None else records.digest(records_path),
         **used}}
-    mod = _with_meta(safe_take(mod), meta)
+    mod = _with_meta(mod, meta)
     with target:
-        exe = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
+        exe = tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target))
     return libfile.export(exe, out)

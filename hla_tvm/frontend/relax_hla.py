@@ -22,7 +22,7 @@ from ..schedule import records
 
 def _add(bb, name, make, shapes):
     """The module's function `name`: make(), added once, carrying its argument `shapes` at the
-    tuning shape (scheduled when the module is built: `schedule.model.schedule_kernels`)."""
+    tuning shape (scheduled when the module is built: `schedule.model.schedule_model`)."""
     existing = [gv for gv in bb.get().get_global_vars() if gv.name_hint == name]
     if existing:
         return existing[0]

@@ -1,9 +1,10 @@
-"""Scheduling the HLA kernels of a compiled model: each from its tuned record where the records
+"""Scheduling a compiled model's tunable functions: each from its tuned record where the records
 hold one, else by the default CPU rules.
 
-The kernels a model's HLA layers call (`frontend.relax_hla.emit_hla`) carry their argument
-shapes at the tuning shape (`records.SHAPES_ATTR`), which is how their records are found; the
-other functions of the model (projections, norms) are left to the Relax pipeline's rules."""
+Tunable are the HLA kernels (`frontend.relax_hla.emit_hla` gives them their argument shapes at
+the tuning shape, `records.SHAPES_ATTR`) and, once the model is legalized, its projections with
+their epilogues (`cpu.matmul_tiles`; tuned at batch 1 and TUNE_SHAPE's length). The other
+functions (norms, element-wise work) keep the Relax pipeline's default rules."""
 from __future__ import annotations
 
 import json
@@ -23,14 +24,71 @@ def kernels(mod):
     return out
 
 
-def schedule_kernels(mod, target, path=None):
-    """(mod with its HLA kernels scheduled for `target`, {"tuned": [names], "default": [names]}):
-    the records folder `path` (None: the default rules for all) gives the schedule of each
-    kernel it holds a record for."""
+def matmuls(mod, target):
+    """{name: (PrimFunc marked `matmul_tiles.MODEL_MATMUL`, argument shapes)} of the legalized
+    model functions `matmul_tiles` schedules: the projections, at batch 1 and TUNE_SHAPE's
+    length (a symbolic leading dimension is the batch, any other the length)."""
+    from tvm import s_tir, tirx
+
+    from .cpu import matmul_tiles
+
+    lanes = matmul_tiles.vector_lanes(target)
+    out = {}
+    for gv, func in mod.functions.items():
+        attrs = func.attrs if isinstance(func, tirx.PrimFunc) and func.attrs else {}
+        if not isinstance(func, tirx.PrimFunc) or "tirx.is_scheduled" in attrs \
+                or records.SHAPES_ATTR in attrs:
+            continue
+        try:
+            if not matmul_tiles.schedule(s_tir.Schedule(func), lanes):
+                continue
+        except (s_tir.ScheduleError, ValueError):
+            continue
+        shapes = _tuning_shapes(func)
+        if shapes is not None:
+            out[gv.name_hint] = (func.with_attr(matmul_tiles.MODEL_MATMUL, True), shapes)
+    return out
+
+
+def _tuning_shapes(func):
+    """[(shape, dtype)] of func's buffer parameters with a symbolic first dimension as batch 1
+    and any other symbolic dimension as TUNE_SHAPE's length; None for other shapes."""
+    from tvm import tirx
+
+    batch = {str(p.shape[0]) for p in func.params
+             if getattr(p, "shape", None) and isinstance(p.shape[0], tirx.Var)}
+    shapes = []
+    for p in func.params:
+        if not getattr(p, "shape", None):
+            return None
+        dims = []
+        for d in p.shape:
+            if isinstance(d, tirx.IntImm):
+                dims.append(int(d))
+            elif isinstance(d, tirx.Var):
+                dims.append(records.TUNE_SHAPE["batch"] if str(d) in batch
+                            else records.TUNE_SHAPE["seq"])
+            else:
+                return None
+        shapes.append((tuple(dims), str(p.dtype)))
+    return shapes
+
+
+def tunable(mod, target):
+    """The HLA kernels and projections of the legalized model `mod`, as `tune.tune` takes them
+    ({name: (PrimFunc, argument shapes at the tuning shape)})."""
+    return {**kernels(mod), **matmuls(mod, target)}
+
+
+def schedule_model(mod, target, path=None):
+    """(legalized `mod` with its HLA kernels scheduled for `target` and its projections where
+    the records folder `path` holds their records, {"tuned": [names], "default": [names]}):
+    HLA kernels without a record get their default rules here, projections later (the Relax
+    pipeline's `MatmulTiles`)."""
     from ..build import TUNED
     from . import cpu
 
-    found = kernels(mod)
+    found = tunable(mod, target) if path is not None else kernels(mod)
     if not found:
         return mod, {"tuned": [], "default": []}
     db = None if path is None else records.load(path)
@@ -40,6 +98,8 @@ def schedule_kernels(mod, target, path=None):
     mod = mod.clone()
     for name, func in picked.items():
         if TUNED not in func.attrs:
+            if records.SHAPES_ATTR not in mod[name].attrs:
+                continue   # a projection: MatmulTiles schedules it in the pipeline
             func = cpu.scheduled(func, target)
         mod.update_func(mod.get_global_var(name), func.with_attr("tirx.is_scheduled", True))
     return mod, used

@@ -5,9 +5,9 @@ GEMM-shaped block a sampled decision (`cpu.apply(..., tunable=True)`; the first 
 default schedule). meta_schedule's evolutionary search, XGBoost cost model and local (or RPC)
 runner search it for the tuning shape (`records.TUNE_SHAPE`); its own database under
 `<out>/work/` keeps every trial, so a second run with the same `out` resumes. Then each kernel's
-best trial and its default schedule are timed side by side in this process, and `<out>` gets a
-records database (`records`) with the faster of the two (the tuned one only when it is
-`MARGIN` faster: timing noise alone never replaces a default)."""
+best trial and its default schedule are timed side by side (called in turn) in this process, or
+on the RPC device, and `<out>` gets a records database (`records`) with the faster of the two
+(the tuned one only when it is `MARGIN` faster: timing noise alone never replaces a default)."""
 from __future__ import annotations
 
 import logging
@@ -73,6 +73,15 @@ def rpc_runner(tracker, key, timeout=60):
     return ms.runner.RPCRunner(config, evaluator, max_workers=1)
 
 
+def _size_worker_threads():
+    """In the local runner's worker process: one TVM thread per physical core, as the kernels
+    run in use (TVM's default there is half the logical CPUs: trials ran on one core of two,
+    2x slower than the default schedule timed in the tuning process)."""
+    from hla_tvm.runtime import set_threads
+
+    set_threads(None)
+
+
 def _pickle_build_by_value():
     import cloudpickle
 
@@ -80,14 +89,72 @@ def _pickle_build_by_value():
 
 
 def space(target):
-    """The design space: the default rules with sampled register tiles."""
+    """The design space: the default rules with sampled register tiles, searched by mutating
+    one tile decision at a time (`mutator`)."""
     from tvm.s_tir import meta_schedule as ms
 
     from . import cpu
 
     return ms.space_generator.ScheduleFn(
         lambda sch: cpu.apply(sch, "main", target, tunable=True),
-        sch_rules=[], postprocs=[], mutator_probs={})
+        sch_rules=[], postprocs=[], mutator_probs={mutator(): 1.0})
+
+
+def mutator(seed=0):
+    """A meta_schedule mutator that moves one categorical decision of a trace (a register
+    tile's rows or columns) to another of its candidates. (meta_schedule's own mutators change
+    tile splits, unrolling and parallelism only, none of which this space samples.)"""
+    import random
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir import meta_schedule as ms
+
+    @derived_object
+    class MutateCategorical(ms.mutator.PyMutator):
+        def __init__(self):
+            self.rng = random.Random(seed)
+
+        def _initialize_with_tune_context(self, context):
+            pass
+
+        def apply(self, trace, _rand_state):
+            insts = [i for i in trace.insts if i.kind.name == "SampleCategorical"
+                     and trace.get_decision(i) is not None and len(i.attrs[0]) > 1]
+            if not insts:
+                return None
+            inst = self.rng.choice(insts)
+            now = int(trace.get_decision(inst))
+            new = self.rng.choice([d for d in range(len(inst.attrs[0])) if d != now])
+            return trace.with_decision(inst, new, remove_postproc=True)
+
+        def clone(self):
+            return mutator(self.rng.randrange(1 << 30))
+
+    return MutateCategorical()
+
+
+def _seed_defaults(db, kernels, names, target, measure):
+    """Commit to the search database `db` each kernel's first design-space point (its default
+    schedule, with its tile decisions) and its measured time, where the database holds no
+    trial of that kernel yet: the evolutionary search then starts from the default schedule
+    and mutates it."""
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from . import cpu, records
+
+    for name in names:
+        func, shapes = kernels[name]
+        wl = records.workload(func, shapes)
+        if db.has_workload(wl) and db.get_top_k(db.commit_workload(wl), 1):
+            continue
+        sch = s_tir.Schedule(wl)
+        cpu.apply(sch, "main", target, tunable=True)
+        secs = measure([sch.mod["main"]], shapes)[0]
+        if secs != float("inf"):
+            db.commit_tuning_record(ms.database.TuningRecord(
+                sch.trace, db.commit_workload(wl), [secs], target,
+                ms.arg_info.ArgInfo.from_prim_func(wl["main"])))
 
 
 def _progress_callback(bar, names, best):
@@ -112,29 +179,31 @@ def _progress_callback(bar, names, best):
     return Progress()
 
 
-def _time(func, shapes, target, repeat=15):
-    """Fastest of `repeat` timed calls (seconds) of scheduled `func` on inputs of `shapes` (the
-    minimum: on a shared machine the noise only ever adds)."""
+def _time(funcs, shapes, target, repeat=21):
+    """[seconds] of each scheduled PrimFunc in `funcs` (variants of one kernel) on inputs of
+    `shapes`: the fastest of `repeat` calls each, the variants called in turn so that a busy
+    spell on a shared machine slows them alike (and the minimum, as noise only ever adds)."""
     import torch
     import tvm
 
     from ..build import _size_thread_pool
 
     _size_thread_pool()
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
-    fn = lib["main"]
+    fns = [tvm.compile(tvm.IRModule({"main": f}), target=target)["main"] for f in funcs]
     dtypes = {"float32": torch.float32, "float64": torch.float64,
               "float16": torch.float16, "bfloat16": torch.bfloat16}
     gen = torch.Generator().manual_seed(0)
     args = [torch.rand(shape, generator=gen, dtype=torch.float32).to(dtypes[dt]) * 0.1 + 0.9
             for shape, dt in shapes]
-    fn(*args)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn(*args)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    for _ in range(repeat):
+        for n, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn(*args)
+            best[n] = min(best[n], time.perf_counter() - t0)
+    return best
 
 
 def _time_by_runner(funcs, target, builder, runner):
@@ -178,7 +247,8 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
     builder = ms.builder.LocalBuilder(
         f_build=_build, f_export=functools.partial(_export, cross_compiler(target)),
         timeout_sec=300)
-    runner = rpc_runner(*rpc) if rpc else ms.runner.LocalRunner(timeout_sec=120)
+    runner = rpc_runner(*rpc) if rpc else \
+        ms.runner.LocalRunner(timeout_sec=120, initializer=_size_worker_threads)
     _pickle_build_by_value()
     quiet = logging.getLogger("tvm.s_tir.meta_schedule")
     if quiet.level == logging.NOTSET:   # its console log at warnings; the full log in work/logs
@@ -186,6 +256,12 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
     work = os.path.join(out, "work")
     os.makedirs(work, exist_ok=True)
     names = sorted(kernels)
+
+    def measure(funcs, shapes):
+        return _time_by_runner(funcs, target, builder, runner) if rpc else \
+            _time(funcs, shapes, target)
+
+    _seed_defaults(ms.database.JSONDatabase(work_dir=work), kernels, names, target, measure)
     mod = tvm.IRModule({n: records.workload(*kernels[n])["main"] for n in names})
     best = {}
     with tqdm(total=trials, desc="tuning", unit="trial", disable=not progress) as bar:
@@ -214,10 +290,7 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
             tsch = s_tir.Schedule(wl)
             rec.trace.apply_to_schedule(tsch, remove_postproc=False)
             candidates.append(tsch.mod["main"])
-        if rpc:
-            secs = _time_by_runner(candidates, target, builder, runner)
-        else:
-            secs = [_time(f, shapes, target) for f in candidates]
+        secs = measure(candidates, shapes)
         default_s, tuned_s = secs[0], (secs[1] if len(secs) > 1 else None)
         keep = tuned_s is not None and tuned_s < default_s * (1 - MARGIN)
         trace = rec.trace if keep else default_trace

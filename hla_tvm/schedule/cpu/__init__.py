@@ -3,6 +3,7 @@ schedule, `scheduled` on one PrimFunc (remembered per process: the eager kernels
 compiled model that holds the same kernel share one scheduling)."""
 import threading
 
+from . import matmul_tiles
 from .chunk_gemm import chunk_gemm
 from .parallel_outer import parallel_outer
 from .vectorize_inner import vectorize_inner
@@ -19,12 +20,17 @@ def _lanes(target):
 
 
 def apply(sch, func_name, target=None, tunable=False):
-    """Apply every default CPU rule to `func_name` in the schedule `sch` (in place): the outer
+    """Apply every default CPU rule to `func_name` in the schedule `sch` (in place; a model's
+    projection marked `matmul_tiles.MODEL_MATMUL` gets that rule alone): the outer
     (batch, head, chunk) loops in parallel, register-tiled GEMM blocks for `target`'s vector
     width (the current or host target when None), the other innermost loops vectorized.
     tunable: the tile shapes become sampled decisions (the design space meta_schedule tunes;
     its first point is this default schedule)."""
     sch.work_on(func_name)
+    func = sch.mod[func_name]
+    if func.attrs and matmul_tiles.MODEL_MATMUL in func.attrs and \
+            matmul_tiles.schedule(sch, _lanes(target), tunable):
+        return sch   # a model's projection (`schedule.model.matmuls`)
     parallel_outer(sch, func_name)
     chunk_gemm(sch, func_name, _lanes(target), tunable)
     vectorize_inner(sch, func_name)

@@ -19,6 +19,7 @@ from tvm.s_tir import dlight as dl
 
 from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
 
+MODEL_MATMUL = "hla_tvm.matmul_tiles"   # attribute of a model projection tuned with this rule
 ROW_COLS = (64, 32, 16, 8)  # one row (a decode step): wide column tiles stream W rows
 ACCUMULATORS = 12           # vector registers a tile may hold (AVX2 has 16, AVX-512 32)
 
@@ -81,6 +82,87 @@ def tile_shape(rows_ext, n, lanes):
     return (max(1, ACCUMULATORS // max(1, (cols or 1) // lanes)), cols)
 
 
+def tile_choices(rows_ext, n, lanes):
+    """(rows candidates, cols candidates) a tuner may pick the tile from: one row -> the
+    ROW_COLS dividing N; more -> 2 to 16 rows (dividing a static row count) and one or two
+    vectors of columns."""
+    if rows_ext == 1:
+        return [1], [c for c in ROW_COLS if n % c == 0]
+    rows = [r for r in (2, 3, 4, 5, 6, 8, 10, 12, 16) if rows_ext is None or rows_ext % r == 0]
+    return rows, [c for c in (lanes, 2 * lanes) if n % c == 0]
+
+
+def schedule(sch, lanes, tunable=False, rows=None, cols=None):
+    """Schedule the function the Schedule `sch` works on as a register-tiled matmul with its
+    epilogue (the module docstring); False, leaving `sch` untouched, where it is no such
+    matmul. tunable: the tile's rows and columns are sampled decisions (`tile_choices`)
+    starting at the default tile (`tile_shape`); rows, cols: a fixed tile."""
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
+    if len(mm) != 1 or not all(is_elementwise(sch, b) for b in blocks if not b.same_as(mm[0])):
+        return False
+    block = mm[0]
+    loops = sch.get_loops(block)
+    if len(loops) != len(sch.get(block).iter_vars) or len(loops) < 3:
+        return False
+    rows_ext, n = static_extent(sch, loops[-3]), static_extent(sch, loops[-2])
+    d_rows, d_cols = tile_shape(rows_ext, n, lanes)
+    rows, cols = rows or d_rows, cols or d_cols
+    if cols is None or n is None or n % cols:
+        return False
+    # tuning specializes the rows to one length; the tile must serve every length (symbolic)
+    symbolic = rows_ext is None or (tunable and rows_ext != 1)
+    if not symbolic:   # the largest tile height that divides the rows
+        rows = max(r for r in range(1, min(rows, rows_ext) + 1) if rows_ext % r == 0)
+    producers = blocks[:[b.same_as(block) for b in blocks].index(True)]
+    if inline_elementwise(sch, producers):
+        raise ValueError("a producer that cannot inline")   # (the caller's schedule is spoilt)
+    if tunable:
+        rows_c, cols_c = tile_choices(None if symbolic else rows_ext, n, lanes)
+        rows = _sample(sch, rows_c, rows)
+        cols = _sample(sch, cols_c, cols)
+    *lead, i, j, k = sch.get_loops(block)
+    shared = _weight_shared(sch.get(block))
+    jo, ji = sch.split(j, factors=[None, cols])
+    if symbolic or rows > 1:
+        io, ii = sch.split(i, factors=[None, rows])
+    else:
+        io, ii = i, None
+    outer = [jo, *lead] if shared else [*lead, jo]
+    sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
+    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    if ii is not None and symbolic:
+        # a symbolic row count: whole tiles, then one predicated tail
+        sch.annotate(io, "pragma_loop_partition_hint", 1)
+    acc = sch.cache_write(block, 0, "global")  # small: a stack array LLVM keeps in registers
+    sch.reverse_compute_at(acc, io)
+    epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                if not b.same_as(block) and not b.same_as(acc)]
+    inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
+    for b in sch.get_child_blocks(sch.get_sblock("root")):
+        if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, io):
+            sch.reverse_compute_at(b, io)
+    for b in sch.get_child_blocks(io):
+        if b.same_as(block):
+            continue
+        inner = sch.get_loops(b)[-1]
+        if static_extent(sch, inner) == (cols if isinstance(cols, int) else int(sch.get(cols))):
+            sch.vectorize(inner)
+    if ii is not None:
+        sch.unroll(ii)
+    sch.vectorize(ji)
+    sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
+    return True
+
+
+def _sample(sch, choices, default):
+    """`default`, or a categorical decision over `choices` starting at it."""
+    if default not in choices or len(choices) == 1:
+        return default
+    return sch.sample_categorical([int(c) for c in choices], [1.0 / len(choices)] * len(choices),
+                                  decision=choices.index(default))
+
+
 class MatmulTiles(dl.ScheduleRule):
     """dlight rule: register-tiled outer-reduction matmul plus its element-wise epilogue."""
 
@@ -89,62 +171,11 @@ class MatmulTiles(dl.ScheduleRule):
 
     def apply(self, func, target, _tunable):
         try:
-            return self._apply(func, vector_lanes(target))
+            sch = s_tir.Schedule(func)
+            return sch if schedule(sch, vector_lanes(target), rows=self.rows,
+                                   cols=self.cols) else None
         except (s_tir.ScheduleError, ValueError):
             return None  # a shape the primitives refuse: the rules after this one take it
-
-    def _apply(self, func, lanes):
-        sch = s_tir.Schedule(func)
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
-        mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
-        if len(mm) != 1 or not all(is_elementwise(sch, b) for b in blocks if not b.same_as(mm[0])):
-            return None
-        block = mm[0]
-        producers = blocks[:[b.same_as(block) for b in blocks].index(True)]
-        if inline_elementwise(sch, producers):
-            return None  # a producer (a transpose of an operand, say) that cannot inline
-        loops = sch.get_loops(block)
-        if len(loops) != len(sch.get(block).iter_vars):
-            return None
-        *lead, i, j, k = loops
-        rows_ext, n = static_extent(sch, i), static_extent(sch, j)
-        rows, cols = tile_shape(rows_ext, n, lanes)
-        rows, cols = self.rows or rows, self.cols or cols
-        if cols is None or n is None or n % cols:
-            return None
-        shared = _weight_shared(sch.get(block))
-        jo, ji = sch.split(j, factors=[None, cols])
-        if rows_ext is not None:   # the largest tile height that divides the rows
-            rows = max(r for r in range(1, min(rows, rows_ext) + 1) if rows_ext % r == 0)
-        if rows > 1:
-            io, ii = sch.split(i, factors=[None, rows])
-        else:
-            io, ii = i, None
-        outer = [jo, *lead] if shared else [*lead, jo]
-        sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
-        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-        if ii is not None and rows_ext is None:
-            # a symbolic row count: whole tiles, then one predicated tail
-            sch.annotate(io, "pragma_loop_partition_hint", 1)
-        acc = sch.cache_write(block, 0, "global")  # small: a stack array LLVM keeps in registers
-        sch.reverse_compute_at(acc, io)
-        epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
-                    if not b.same_as(block) and not b.same_as(acc)]
-        inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
-        for b in sch.get_child_blocks(sch.get_sblock("root")):
-            if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, io):
-                sch.reverse_compute_at(b, io)
-        for b in sch.get_child_blocks(io):
-            if b.same_as(block):
-                continue
-            inner = sch.get_loops(b)[-1]
-            if static_extent(sch, inner) == cols:
-                sch.vectorize(inner)
-        if ii is not None:
-            sch.unroll(ii)
-        sch.vectorize(ji)
-        sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
-        return sch
 
 
 def _under(sch, block, loop):
