@@ -57,8 +57,7 @@ def _tune(args):
     if rpc is None and cross_compiler(target) is not None:
         raise ValueError(f"this machine cannot run code for {target.attrs.get('mtriple')}: "
                          "measure on the device with --rpc-tracker HOST:PORT --rpc-key KEY")
-    if rpc is not None:
-        tune.rpc_runner(*rpc)   # an unreachable tracker or a missing server fails here
+    runner = tune.rpc_runner(*rpc) if rpc else None   # (an unreachable tracker fails here)
     if args.model:
         kernels, what = _model_kernels(args.model, target), args.model
     else:
@@ -72,7 +71,7 @@ def _tune(args):
     out = args.output or os.path.join(records.user_root(), records.target_folder(target))
     print(f"tuning {len(kernels)} kernels of {what} for {records.target_folder(target)} "
           f"({args.trials} trials); records go to {out}")
-    report = tune.tune(kernels, target, args.trials, out, rpc=rpc)
+    report = tune.tune(kernels, target, args.trials, out, runner=runner)
     records.forget()
     print(f"{'kernel':<28}{'default':>12}{'tuned':>12}  kept")
     for name, r in report.items():
@@ -90,8 +89,7 @@ def _model_kernels(path, target):
     """The tunable functions of the model at `path` (a checkpoint or an ONNX file) as `compile`
     builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
     shapes at the tuning shape)}."""
-    from .compiler import legalize
-    from .frontend.safe_take import safe_take
+    from .compiler import prepare
     from .schedule.model import tunable
 
     if str(path).endswith(".onnx"):
@@ -103,7 +101,7 @@ def _model_kernels(path, target):
         from .models import HLALM
 
         mod = to_relax(HLALM.load(path))
-    found = tunable(legalize(safe_take(mod), target), target)
+    found = tunable(prepare(mod, target), target)
     if not found:
         raise ValueError(f"{path}: the model holds no HLA kernels or projections to tune")
     return found
@@ -227,9 +225,9 @@ def _module_info(path, meta):
         lines.append(f"schedules for {sched.get('target')}: records {where}"
                      + (f" (sha256 {sched['records_sha256']})" if sched.get("records_sha256")
                         else ""))
-        for kind in ("tuned", "default"):
+        for kind, label in (("from_records", "from records"), ("default", "default")):
             names = sched.get(kind, [])
-            lines.append(f"  {kind}: {len(names)} kernel(s)" +
+            lines.append(f"  {label}: {len(names)} kernel(s)" +
                          (": " + ", ".join(names) if names else ""))
     return "\n".join(lines)
 
@@ -353,11 +351,13 @@ def build_parser():
                         "physical core)")
     r.set_defaults(func=_run)
 
-    t = command("tune", help="auto-tune an operator's or a model's HLA kernels with "
+    t = command("tune", help="auto-tune an operator's kernels or a model's kernels and "
+                             "projections with "
                              "meta_schedule and write tuned records (used by hla(), decode_(), "
                              "compile with schedules='auto')",
                 description="Tune the prefill and decode kernels of one operator configuration "
-                            "(--op and options) or of a model (a checkpoint or an ONNX file) "
+                            "(--op and options) or the HLA kernels and projections of a model "
+                            "(a checkpoint or an ONNX file) "
                             "with TVM's meta_schedule (evolutionary search, XGBoost cost model, "
                             "local runner, or the devices of an RPC tracker) at batch 1, 8 "
                             "heads, 4096 tokens, then time each kernel's best trial beside its "
@@ -371,8 +371,8 @@ def build_parser():
                             "docs/tuning.md.")
     t.add_argument("model", nargs="?", default=None,
                    help="a checkpoint (HLALM.save) or an ONNX model with hla_tvm::HLA nodes: "
-                        "tune the HLA kernels `hla-tvm compile` builds for it (instead of "
-                        "--op and the options below)")
+                        "tune the HLA kernels and projections `hla-tvm compile` builds for it "
+                        "(instead of --op and the options below)")
     t.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
                    help="operator: second order, asymmetric (AHLA) or third order")
     t.add_argument("--decay", action="store_true",

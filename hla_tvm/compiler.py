@@ -104,6 +104,14 @@ def merge_entries(mods):
     return tvm.IRModule(funcs)
 
 
+def prepare(mod, target):
+    """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
+    scheduled: embedding lookups clamped (`safe_take`), then `legalize`d."""
+    from .frontend.safe_take import safe_take
+
+    return legalize(safe_take(mod), target)
+
+
 def legalize(mod, target):
     """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's CPU
     library-dispatch and legalization passes), the form whose functions are scheduled."""
@@ -169,7 +177,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     schedules: "auto" uses the tuned records for the target (the user's, else the shipped
     `schedules/<target>/`) where they exist and the default schedules for kernels without
     one; "default" always the default schedules; a path that records folder. The module's
-    metadata says which kernels were tuned (`hla-tvm run --info`).
+    metadata says which kernels were scheduled from records (`hla-tvm run --info`).
     max_batch: an upper bound of the batch size (TVM then plans memory statically); the
     runtime refuses larger batches."""
     for attr in ("init_state", "forward"):
@@ -223,13 +231,12 @@ def build(mod, meta, target, out, records_path=None):
     import tvm
 
     from . import libfile
-    from .frontend.safe_take import safe_take
     from .schedule import records
     from .schedule.model import schedule_model
 
-    mod, used = schedule_model(legalize(safe_take(mod), target), target, records_path)
+    mod, used = schedule_model(prepare(mod, target), target, records_path)
     meta = {**meta, "schedules": {
-        "target": records.target_folder(target), "records": records_path,
+        "target": records.target_folder(target), "records": records.display(records_path),
         "records_sha256": None if records_path is None else records.digest(records_path),
         **used}}
     mod = _with_meta(mod, meta)

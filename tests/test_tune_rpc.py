@@ -75,8 +75,8 @@ def test_tune_over_rpc_gives_records_that_match_float64(tracker, tmp_path):
                                        **op.options(masked=True, normalize=False, eps=1e-6,
                                                     ridge=0.0))
     picked = {n: kernels[n] for n in ("hla2_chunk_ksummary", "hla2_chunk_summary")}
-    report = tune.tune(picked, resolve(None), 3, str(tmp_path), rpc=(tracker, KEY),
-                       progress=False)
+    report = tune.tune(picked, resolve(None), 3, str(tmp_path),
+                       runner=tune.rpc_runner(tracker, KEY), progress=False)
     assert set(report) == set(picked)
     for r in report.values():   # both schedules were measured on the server
         assert 0 < r["default_s"] < 1 and r["kept"] in ("tuned", "default")

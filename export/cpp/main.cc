@@ -16,7 +16,9 @@
 #include <tvm/ffi/container/tensor.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -48,17 +50,29 @@ struct Options {
   std::exit(2);
 }
 
+// A whole decimal integer in [lo, hi], else the usage error naming `what`.
+long long ParseInt(const std::string& text, const std::string& what, long long lo,
+                   long long hi) {
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE || v < lo || v > hi) {
+    Usage(what + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+          "], got '" + text + "'");
+  }
+  return v;
+}
+
 std::vector<int64_t> ParseIds(const std::string& text) {
   std::vector<int64_t> ids;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 0) Usage("--prompt must be ids such as 5,9,2");
-    ids.push_back(v);
+  size_t start = 0;
+  while (true) {   // (every item, a trailing empty one included, must be an id)
+    size_t comma = text.find(',', start);
+    ids.push_back(ParseInt(text.substr(start, comma - start), "each --prompt id", 0,
+                           std::numeric_limits<int32_t>::max()));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
   }
-  if (ids.empty()) Usage("--prompt must hold at least one id");
   return ids;
 }
 
@@ -73,13 +87,19 @@ Options ParseArgs(int argc, char** argv) {
     if (a == "--prompt") {
       o.prompt = ParseIds(value());
     } else if (a == "--steps") {
-      o.steps = std::atoi(value().c_str());
+      o.steps = static_cast<int>(ParseInt(value(), "--steps", 1, 1 << 24));
     } else if (a == "--temperature") {
-      o.temperature = std::strtof(value().c_str(), nullptr);
+      std::string t = value();
+      char* end = nullptr;
+      o.temperature = std::strtof(t.c_str(), &end);
+      if (t.empty() || *end != '\0' || !std::isfinite(o.temperature) || o.temperature < 0) {
+        Usage("--temperature must be a finite number >= 0, got '" + t + "'");
+      }
     } else if (a == "--top-k") {
-      o.top_k = std::atoi(value().c_str());
+      o.top_k = static_cast<int>(ParseInt(value(), "--top-k", 0, 1 << 30));
     } else if (a == "--seed") {
-      o.seed = std::strtoull(value().c_str(), nullptr, 10);
+      o.seed = static_cast<uint64_t>(ParseInt(value(), "--seed", 0,
+                                              std::numeric_limits<long long>::max()));
     } else if (!a.empty() && a[0] == '-') {
       Usage("unknown option " + a);
     } else if (o.module.empty()) {
@@ -90,8 +110,6 @@ Options ParseArgs(int argc, char** argv) {
   }
   if (o.module.empty()) Usage("give the compiled module");
   if (o.prompt.empty()) Usage("give --prompt");
-  if (o.steps < 1) Usage("--steps must be positive");
-  if (o.temperature < 0) Usage("--temperature must be >= 0");
   return o;
 }
 
@@ -130,10 +148,11 @@ struct Model {
     // one CPU device, pooled allocator (as tvm.relax.VirtualMachine does)
     vm->GetFunction("vm_initialization").value()(static_cast<int>(kDLCPU), 0, 2);
     Tensor raw = vm->GetFunction("hla_tvm_meta").value()().cast<Tensor>();
-    std::string text(static_cast<const char*>(raw.data_ptr()), raw.size(0));
+    std::string text(static_cast<const char*>(raw.data_ptr()) + raw.byte_offset(), raw.size(0));
     ffi::String error;
-    ffi::json::Object meta = ffi::json::Parse(text, &error).cast<ffi::json::Object>();
+    ffi::json::Value parsed = ffi::json::Parse(text, &error);
     if (!error.empty()) throw std::runtime_error("module metadata: " + std::string(error));
+    ffi::json::Object meta = parsed.cast<ffi::json::Object>();
     for (const ffi::Any& entry : meta.at("state").cast<ffi::json::Array>()) {
       auto e = entry.cast<ffi::json::Array>();
       std::vector<int64_t> shape{1};
@@ -164,11 +183,17 @@ struct Model {
     entry.CallPacked(args.data(), static_cast<int32_t>(args.size()), &result);
     auto outs = result.cast<ffi::Array<ffi::Any>>();
     Tensor logits = outs[0].cast<Tensor>();
+    DLDataType dt = logits.dtype();
+    if (dt.code != kDLFloat || dt.bits != 32 || dt.lanes != 1 || !logits.IsContiguous()) {
+      throw std::runtime_error("the module's logits are not contiguous float32");
+    }
     for (size_t i = 0; i < state.size(); ++i) state[i] = outs[i + 1].cast<Tensor>();
     int64_t v = logits.size(logits.ndim() - 1);
     int64_t rows = 1;
     for (int i = 0; i < logits.ndim() - 1; ++i) rows *= logits.size(i);
-    const float* data = static_cast<const float*>(logits.data_ptr()) + (rows - 1) * v;
+    const float* data = reinterpret_cast<const float*>(
+                            static_cast<const char*>(logits.data_ptr()) +
+                            logits.byte_offset()) + (rows - 1) * v;
     return std::vector<float>(data, data + v);
   }
 

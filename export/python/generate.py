@@ -74,8 +74,8 @@ def main(argv=None):
         prompt = [int(x) for x in args.prompt.split(",")]
     except ValueError:
         p.error("--prompt must be ids such as 5,9,2")
-    if args.steps < 1 or args.temperature < 0 or min(prompt) < 0:
-        p.error("--steps must be positive, --temperature >= 0, ids >= 0")
+    if args.steps < 1 or not args.temperature >= 0 or args.top_k < 0 or min(prompt) < 0:
+        p.error("--steps must be positive, --temperature and --top-k >= 0, ids >= 0")
     vm, meta = load(args.module)
     vocab = meta.get("vocab_size")
     if vocab and max(prompt) >= vocab:

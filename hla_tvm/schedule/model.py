@@ -82,7 +82,9 @@ def tunable(mod, target):
 
 def schedule_model(mod, target, path=None):
     """(legalized `mod` with its HLA kernels scheduled for `target` and its projections where
-    the records folder `path` holds their records, {"tuned": [names], "default": [names]}):
+    the records folder `path` holds their records, {"from_records": [names], "default":
+    [names]}; a record holds a kernel's best trial, or its default schedule where no trial
+    beat that):
     HLA kernels without a record get their default rules here, projections later (the Relax
     pipeline's `MatmulTiles`)."""
     from ..build import TUNED
@@ -90,10 +92,11 @@ def schedule_model(mod, target, path=None):
 
     found = tunable(mod, target) if path is not None else kernels(mod)
     if not found:
-        return mod, {"tuned": [], "default": []}
+        return mod, {"from_records": [], "default": []}
     db = None if path is None else records.load(path)
-    picked = records.pick(found, db, target, where=f" in {path}")
-    used = {"tuned": sorted(n for n, f in picked.items() if TUNED in f.attrs),
+    picked = records.pick(found, db, target, where=f" in {path}",   # (notice: HLA kernels)
+                          quiet={n for n in found if records.SHAPES_ATTR not in mod[n].attrs})
+    used = {"from_records": sorted(n for n, f in picked.items() if TUNED in f.attrs),
             "default": sorted(n for n, f in picked.items() if TUNED not in f.attrs)}
     mod = mod.clone()
     for name, func in picked.items():

@@ -1,9 +1,10 @@
 """Tuned schedule records: where they live, reading them, and applying one to a kernel.
 
 A records folder is a meta_schedule JSON database (`database_workload.json`,
-`database_tuning_record.json`) holding, per kernel, the faster of its tuned and its default
-schedule. A workload is the kernel specialized to the tuning shape (`TUNE_SHAPE`: the shapes a
-prefill or decode of that size calls it with, `kernels.chains.argument_shapes`); the record's
+`database_tuning_record.json`) holding, per kernel, its best tuned schedule where that beat the
+default by `tune.MARGIN`, else its default schedule. A workload is the kernel specialized to
+the tuning shape (`TUNE_SHAPE`: the shapes a prefill or decode of that size calls it with,
+`chain_shapes`; a model's projections at batch 1 and that length, `model.matmuls`); the record's
 trace replays on the kernel with symbolic batch, heads and length, so one record serves every
 shape. Folders are per target (`target_folder`): the shipped `schedules/<target>/`
 (`package_root`) and the user's `~/.cache/hla_tvm/schedules/<target>/` (`hla-tvm tune` writes
@@ -108,6 +109,19 @@ def _notice_foreign(path, target):
         names = ", ".join(sorted("-".join(x for x in t if x) for t in seen))
         warnings.warn(f"hla_tvm: the records in {path} were tuned for {names}, not for this "
                       f"target ({'-'.join(x for x in mine if x)}); they may be slow here")
+
+
+def display(path):
+    """How metadata names a records folder: "shipped:<target>" for the package's own, the path
+    under "~" for the user's, else the path as given (None stays None)."""
+    if path is None:
+        return None
+    shipped = os.path.join(package_root(), "")
+    if os.path.abspath(path).startswith(shipped):
+        return "shipped:" + os.path.relpath(os.path.abspath(path), shipped)
+    home = os.path.join(os.path.expanduser("~"), "")
+    return "~/" + os.path.relpath(path, home) if os.path.abspath(path).startswith(home) \
+        else os.fspath(path)
 
 
 def forget():
@@ -237,18 +251,18 @@ def workload(func, shapes):
     return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
 
 
-def pick(kernels, db, target, *, where=""):
+def pick(kernels, db, target, *, where="", quiet=()):
     """{name: PrimFunc} for kernels {name: (PrimFunc, argument shapes at TUNE_SHAPE)}: each one
     scheduled from its record in `db` and marked `build.TUNED`, or as given (for the default
     rules) where db is None or holds no record for it; a one-line notice names the kernels
-    left to the default schedules when db holds records for some only."""
+    (but those in `quiet`) left to the default schedules when db holds records."""
     from ..build import TUNED
 
     out, missing = {}, []
     for name, (func, shapes) in kernels.items():
         t = None if db is None else tuned(func, shapes, db, target)
         out[name] = func if t is None else t.with_attr(TUNED, True)
-        if t is None:
+        if t is None and name not in quiet:
             missing.append(name)
     if db is not None and missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")

@@ -100,6 +100,17 @@ def space(target):
         sch_rules=[], postprocs=[], mutator_probs={mutator(): 1.0})
 
 
+def _strategy(trials):
+    """meta_schedule's evolutionary search with its population sized to the trials (its
+    default, 512 schedules sampled and evolved through this space's Python rules per round,
+    took over a minute per kernel on 2 cores, whatever the trial count)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    population = min(256, max(16, 4 * trials))
+    return ms.search_strategy.EvolutionarySearch(
+        population_size=population, init_min_unmeasured=max(8, population // 8))
+
+
 def mutator(seed=0):
     """A meta_schedule mutator that moves one categorical decision of a trace (a register
     tile's rows or columns) to another of its candidates. (meta_schedule's own mutators change
@@ -133,27 +144,36 @@ def mutator(seed=0):
     return MutateCategorical()
 
 
-def _seed_defaults(db, kernels, names, target, measure):
-    """Commit to the search database `db` each kernel's first design-space point (its default
-    schedule, with its tile decisions) and its measured time, where the database holds no
-    trial of that kernel yet: the evolutionary search then starts from the default schedule
-    and mutates it."""
+def default_schedule(wl, target):
+    """The Schedule of workload `wl` at the first point of its design space: the default rules
+    with their default tiles, as the kernel runs untuned (a projection's tile chosen for any
+    prompt length, not for the tuning length)."""
     from tvm import s_tir
+
+    from . import cpu
+
+    sch = s_tir.Schedule(wl)
+    cpu.apply(sch, "main", target, tunable=True)
+    return sch
+
+
+def _seed_defaults(db, kernels, names, target, runner_secs):
+    """Commit to the search database `db` each kernel's default schedule (`default_schedule`)
+    with its run times as the runner measures them, where the database holds no trial of that
+    kernel yet: the evolutionary search then starts from the default schedule and mutates it."""
     from tvm.s_tir import meta_schedule as ms
 
-    from . import cpu, records
+    from . import records
 
+    todo = []
     for name in names:
-        func, shapes = kernels[name]
-        wl = records.workload(func, shapes)
-        if db.has_workload(wl) and db.get_top_k(db.commit_workload(wl), 1):
-            continue
-        sch = s_tir.Schedule(wl)
-        cpu.apply(sch, "main", target, tunable=True)
-        secs = measure([sch.mod["main"]], shapes)[0]
-        if secs != float("inf"):
+        wl = records.workload(*kernels[name])
+        if not (db.has_workload(wl) and db.get_top_k(db.commit_workload(wl), 1)):
+            todo.append((wl, default_schedule(wl, target)))
+    for (wl, sch), secs in zip(todo, runner_secs([sch.mod["main"] for _, sch in todo])):
+        if secs:
             db.commit_tuning_record(ms.database.TuningRecord(
-                sch.trace, db.commit_workload(wl), [secs], target,
+                sch.trace, db.commit_workload(wl), secs, target,
                 ms.arg_info.ArgInfo.from_prim_func(wl["main"])))
 
 
@@ -206,12 +226,14 @@ def _time(funcs, shapes, target, repeat=21):
     return best
 
 
-def _time_by_runner(funcs, target, builder, runner):
-    """[seconds] of each scheduled PrimFunc in `funcs`, built by `builder` and measured by
-    meta_schedule's `runner` (the fastest repeat; inf where it failed)."""
+def _runner_secs(funcs, target, builder, runner):
+    """[run seconds as meta_schedule's `runner` measures them, or None where the build or the
+    run failed] of each scheduled PrimFunc in `funcs`, built by `builder`."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
+    if not funcs:
+        return []
     built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target)
                            for f in funcs])
     device = "cpu" if target.kind.name == "llvm" else target.kind.name
@@ -223,17 +245,19 @@ def _time_by_runner(funcs, target, builder, runner):
     for b in built:
         r = None if b.error_msg else next(results)
         ok = r is not None and r.error_msg is None and r.run_secs
-        out.append(min(float(x) for x in r.run_secs) if ok else float("inf"))
+        out.append([float(x) for x in r.run_secs] if ok else None)
     return out
 
 
-def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
+def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print):
     """Tune `kernels` {name: (PrimFunc, argument shapes at the tuning shape)} for `target` with
     `trials` measured candidates in all (meta_schedule shares them out), then write to `out`
-    the records of the faster of tuned and default per kernel. rpc: (tracker "HOST:PORT", key)
-    to measure on the devices registered there (`rpc_runner`; candidates are built here, by
-    the target's cross compiler where needed); None: on this machine. Returns {name:
-    {"default_s", "tuned_s", "kept"}}. Ctrl-C stops the search and keeps what it found."""
+    a record per kernel: its best trial where that is `MARGIN` faster than its default
+    schedule, else the default. runner: an RPC runner (`rpc_runner`) to measure on the devices
+    of a tracker (candidates are built here, by the target's cross compiler where needed);
+    None: on this machine. Returns {name: {"default_s", "tuned_s", "kept"}} (kept: "tuned",
+    "default", or "failed" where the default schedule could not be measured, which gets no
+    record). Ctrl-C stops the search and keeps what it found."""
     import functools
 
     import tvm
@@ -242,13 +266,13 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
     from tvm.s_tir import meta_schedule as ms
 
     from ..target import cross_compiler
-    from . import cpu, records
+    from . import records
 
     builder = ms.builder.LocalBuilder(
         f_build=_build, f_export=functools.partial(_export, cross_compiler(target)),
         timeout_sec=300)
-    runner = rpc_runner(*rpc) if rpc else \
-        ms.runner.LocalRunner(timeout_sec=120, initializer=_size_worker_threads)
+    remote = runner is not None
+    runner = runner or ms.runner.LocalRunner(timeout_sec=120, initializer=_size_worker_threads)
     _pickle_build_by_value()
     quiet = logging.getLogger("tvm.s_tir.meta_schedule")
     if quiet.level == logging.NOTSET:   # its console log at warnings; the full log in work/logs
@@ -257,11 +281,16 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
     os.makedirs(work, exist_ok=True)
     names = sorted(kernels)
 
-    def measure(funcs, shapes):
-        return _time_by_runner(funcs, target, builder, runner) if rpc else \
-            _time(funcs, shapes, target)
+    def runner_secs(funcs):
+        return _runner_secs(funcs, target, builder, runner)
 
-    _seed_defaults(ms.database.JSONDatabase(work_dir=work), kernels, names, target, measure)
+    def measure(funcs, shapes):   # the final comparison: on the device, or here in turn
+        if remote:
+            return [min(x) if x else float("inf") for x in runner_secs(funcs)]
+        return _time(funcs, shapes, target)
+
+    _seed_defaults(ms.database.JSONDatabase(work_dir=work), kernels, names, target,
+                   runner_secs)
     mod = tvm.IRModule({n: records.workload(*kernels[n])["main"] for n in names})
     best = {}
     with tqdm(total=trials, desc="tuning", unit="trial", disable=not progress) as bar:
@@ -272,6 +301,7 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
                         num_trials_per_iter=min(16, max(1, trials)),
                         builder=builder, runner=runner,
                         space=space(target), measure_callbacks=callbacks,
+                        strategy=_strategy(trials),
                         num_tuning_cores=os.cpu_count() or 1)
         except KeyboardInterrupt:
             log(f"stopped: keeping the trials so far; run the same command with -o {out} "
@@ -282,16 +312,24 @@ def tune(kernels, target, trials, out, *, rpc=None, progress=True, log=print):
     for name in names:
         func, shapes = kernels[name]
         wl = records.workload(func, shapes)
-        sch = s_tir.Schedule(wl)
-        cpu.apply(sch, "main", target)
+        sch = default_schedule(wl, target)
         default_trace, candidates = sch.trace, [sch.mod["main"]]
         rec = db.query_tuning_record(wl, target, "main")
-        if rec is not None and len(rec.trace.decisions):   # (none: the space is one point)
+        if rec is not None and len(rec.trace.decisions) and \
+                list(rec.trace.as_python()) != list(default_trace.as_python()):
+            # (a one-point space, or a best trial that is the default itself: nothing to time)
             tsch = s_tir.Schedule(wl)
             rec.trace.apply_to_schedule(tsch, remove_postproc=False)
             candidates.append(tsch.mod["main"])
         secs = measure(candidates, shapes)
         default_s, tuned_s = secs[0], (secs[1] if len(secs) > 1 else None)
+        if default_s == float("inf"):
+            log(f"{name}: its default schedule could not be measured (see {work}/logs); no "
+                "record for it")
+            report[name] = {"default_s": default_s, "tuned_s": tuned_s, "kept": "failed"}
+            continue
+        if tuned_s == float("inf"):
+            tuned_s = None
         keep = tuned_s is not None and tuned_s < default_s * (1 - MARGIN)
         trace = rec.trace if keep else default_trace
         final.commit_tuning_record(ms.database.TuningRecord(

@@ -95,7 +95,7 @@ def tile_choices(rows_ext, n, lanes):
 def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     """Schedule the function the Schedule `sch` works on as a register-tiled matmul with its
     epilogue (the module docstring); False, leaving `sch` untouched, where it is no such
-    matmul. tunable: the tile's rows and columns are sampled decisions (`tile_choices`)
+    matmul (ValueError or ScheduleError, `sch` then spoilt, where a primitive refuses it). tunable: the tile's rows and columns are sampled decisions (`tile_choices`)
     starting at the default tile (`tile_shape`); rows, cols: a fixed tile."""
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
