@@ -90,19 +90,20 @@ def schedule_model(mod, target, path=None):
     from ..build import TUNED
     from . import cpu
 
-    found = tunable(mod, target) if path is not None else kernels(mod)
+    projections = matmuls(mod, target) if path is not None else {}
+    found = {**kernels(mod), **projections}
     if not found:
         return mod, {"from_records": [], "default": []}
     db = None if path is None else records.load(path)
     picked = records.pick(found, db, target, where=f" in {path}",   # (notice: HLA kernels)
-                          quiet={n for n in found if records.SHAPES_ATTR not in mod[n].attrs})
+                          quiet=set(projections))
     used = {"from_records": sorted(n for n, f in picked.items() if TUNED in f.attrs),
             "default": sorted(n for n, f in picked.items() if TUNED not in f.attrs)}
     mod = mod.clone()
     for name, func in picked.items():
         if TUNED not in func.attrs:
-            if records.SHAPES_ATTR not in mod[name].attrs:
-                continue   # a projection: MatmulTiles schedules it in the pipeline
+            if name in projections:
+                continue   # MatmulTiles schedules it in the pipeline
             func = cpu.scheduled(func, target)
         mod.update_func(mod.get_global_var(name), func.with_attr("tirx.is_scheduled", True))
     return mod, used

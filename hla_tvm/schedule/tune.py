@@ -157,17 +157,14 @@ def default_schedule(wl, target):
     return sch
 
 
-def _seed_defaults(db, kernels, names, target, runner_secs):
+def _seed_defaults(db, workloads, target, runner_secs):
     """Commit to the search database `db` each kernel's default schedule (`default_schedule`)
     with its run times as the runner measures them, where the database holds no trial of that
     kernel yet: the evolutionary search then starts from the default schedule and mutates it."""
     from tvm.s_tir import meta_schedule as ms
 
-    from . import records
-
     todo = []
-    for name in names:
-        wl = records.workload(*kernels[name])
+    for wl in workloads:
         if not (db.has_workload(wl) and db.get_top_k(db.commit_workload(wl), 1)):
             todo.append((wl, default_schedule(wl, target)))
     for (wl, sch), secs in zip(todo, runner_secs([sch.mod["main"] for _, sch in todo])):
@@ -289,9 +286,10 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
             return [min(x) if x else float("inf") for x in runner_secs(funcs)]
         return _time(funcs, shapes, target)
 
-    _seed_defaults(ms.database.JSONDatabase(work_dir=work), kernels, names, target,
+    workloads = {n: records.workload(*kernels[n]) for n in names}
+    _seed_defaults(ms.database.JSONDatabase(work_dir=work), workloads.values(), target,
                    runner_secs)
-    mod = tvm.IRModule({n: records.workload(*kernels[n])["main"] for n in names})
+    mod = tvm.IRModule({n: workloads[n]["main"] for n in names})
     best = {}
     with tqdm(total=trials, desc="tuning", unit="trial", disable=not progress) as bar:
         callbacks = list(ms.measure_callback.MeasureCallback.create("default")) + \
@@ -310,8 +308,7 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     final = ms.database.JSONDatabase(*(os.path.join(out, f) for f in records.FILES))
     report = {}
     for name in names:
-        func, shapes = kernels[name]
-        wl = records.workload(func, shapes)
+        shapes, wl = kernels[name][1], workloads[name]
         sch = default_schedule(wl, target)
         default_trace, candidates = sch.trace, [sch.mod["main"]]
         rec = db.query_tuning_record(wl, target, "main")
