@@ -26,7 +26,19 @@ def _positive(text):
 def _demo(args):
     from .demo import run
 
-    return run(length=args.length, heads=args.heads, head_dim=args.head_dim)
+    from .target import parse
+
+    return run(prompt=args.prompt, tokens=args.tokens, temperature=args.temperature,
+               top_k=args.top_k, seed=args.seed, target=parse(args.target))
+
+
+def _train(args):
+    from .train import run
+
+    run(args.output, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+        seed=args.seed, attention=args.attention, seconds=args.seconds, d_model=args.d_model,
+        n_layers=args.layers, n_heads=args.heads, progress=not args.quiet)
+    return 0
 
 
 def _bench(args):
@@ -130,7 +142,7 @@ def _compile(args):
         if args.max_batch is not None:
             raise ValueError("--max-batch applies to checkpoints, not ONNX models")
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
-              f"{tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
+              f"{tgt.attrs.get('mcpu') or tgt.attrs.get('mtriple') or tgt.kind.name} ...", flush=True)
         out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
                            schedules=args.schedules)
     else:
@@ -139,7 +151,7 @@ def _compile(args):
 
         model = HLALM.load(args.checkpoint)
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
-              f"parameters) for {tgt.attrs.get('mcpu') or tgt.kind.name} ...", flush=True)
+              f"parameters) for {tgt.attrs.get('mcpu') or tgt.attrs.get('mtriple') or tgt.kind.name} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
                             schedules=args.schedules)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
@@ -172,34 +184,45 @@ def _prompt_ids(text):
 
 
 def _run(args):
-    import time
-
-    import numpy as np
-
+    from .generate import encode_text, generate, text_decoder
     from .runtime import load
 
-    if args.prompt_ids is None and not args.info:
-        raise ValueError("--prompt-ids is required (or --info to describe the module)")
-    prompt = None if args.info else _prompt_ids(args.prompt_ids)
-    m = load(args.module, threads=args.threads)
     if args.info:
-        print(_module_info(args.module, m.meta))
+        print(_module_info(args.module, load(args.module, threads=args.threads).meta))
         return 0
-    state = m.init_state(1)
-    t0 = time.perf_counter()
-    logits, state = m.prefill(np.array([prompt]), state)
-    t_prefill = time.perf_counter() - t0
-    tokens = [int(logits[0, -1].argmax())]
-    t0 = time.perf_counter()
-    for _ in range(args.steps - 1):
-        logits, state = m.decode(np.array(tokens[-1:]), state)
-        tokens.append(int(logits[0].argmax()))
-    t_decode = time.perf_counter() - t0
-    print(" ".join(map(str, tokens)))
-    rate = f"{(args.steps - 1) / t_decode:.1f} tokens/s" if args.steps > 1 and t_decode > 0 \
-        else "no decode steps (--steps 1)"
-    print(f"prefill {len(prompt)} tokens: {t_prefill * 1e3:.2f} ms; decode: {rate}",
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ValueError("give --prompt TEXT (byte-level models) or --prompt-ids 1,2,3 "
+                         "(or --info to describe the module)")
+    prompt = encode_text(args.prompt) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    m = load(args.module, threads=args.threads)
+    if args.prompt is not None and m.vocab != "bytes":
+        raise ValueError(f"{args.module}: --prompt TEXT needs a byte-level model (this one's "
+                         f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
+    if args.prompt is not None:
+        decode = text_decoder()
+        sys.stdout.write(args.prompt)
+        on_token = lambda tok: (sys.stdout.write(decode([tok])), sys.stdout.flush())  # noqa: E731
+    else:
+        on_token = None
+    tokens, info = generate(m, prompt, args.tokens, temperature=args.temperature,
+                            top_k=args.top_k, seed=args.seed, on_token=on_token)
+    print() if args.prompt is not None else print(" ".join(map(str, tokens)))
+    rate = f"{info['decode_steps'] / info['decode_s']:.1f} tokens/s" \
+        if info["decode_steps"] and info["decode_s"] > 0 else "no decode steps (--tokens 1)"
+    print(f"prefill {len(prompt)} tokens: {info['prefill_s'] * 1e3:.2f} ms; decode: {rate}",
           file=sys.stderr)
+    return 0
+
+
+def _bundle(args):
+    from .bundle import bundle
+
+    info = bundle(args.module, args.output, runtime_from=args.runtime_from, force=args.force)
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.output)
+                for f in fs)
+    print(f"wrote {args.output} ({info['arch']}, {total / 1e6:.1f} MB): model.so, the TVM "
+          f"runtime libraries, generate.py, the C++ app's source; {args.output}/README.md says "
+          "how to run it")
     return 0
 
 
@@ -233,16 +256,17 @@ def _module_info(path, meta):
 
 
 def _cache(args):
-    import os
     import shutil
 
     from .build import cache_dir
 
     path = cache_dir()
-    files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    files = sorted(os.path.relpath(os.path.join(d, f), path)
+                   for d, _, fs in os.walk(path) for f in fs) if os.path.isdir(path) else []
     if args.clear:
         shutil.rmtree(path, ignore_errors=True)
-        print(f"removed {len(files)} cached kernel module(s) from {path}")
+        print(f"removed {len(files)} cached file(s) (kernel modules, compiled demo models, "
+              f"downloaded runtimes) from {path}")
     elif not files:
         print(f"{path}: empty (kernels are compiled and cached on first use)")
     else:
@@ -267,12 +291,26 @@ def build_parser():
         return sub.add_parser(name, parents=[common],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
 
-    d = command("demo", help="compile the second-order kernels for this CPU, run a prompt and a "
-                             "few decode steps, check them against float64 math")
-    d.add_argument("--length", type=_positive, default=300, help="prompt length")
-    d.add_argument("--heads", type=_positive, default=4, help="heads")
-    d.add_argument("--head-dim", type=_positive, default=32,
-                   help="head size Dk = Dv")
+    from .demo import DEFAULT_PROMPT
+
+    d = command("demo", help="compile the shipped byte-level HLA model for this CPU, stream the "
+                             "Python it writes, compare its speed and logits with PyTorch",
+                description="Compile the shipped model (a second-order HLALM trained on "
+                            "Python's standard library with `hla-tvm train`) for this CPU with "
+                            "the tuned records (cached after the first run), stream a "
+                            "continuation of the prompt as the compiled module decodes it, then "
+                            "print decode tokens/s of the compiled module beside the same model "
+                            "in PyTorch eager mode and the largest logit difference between "
+                            "them (exit code 1 when it exceeds 1e-3 of the largest logit).")
+    d.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    d.add_argument("--tokens", type=_positive, default=200, help="bytes to generate")
+    d.add_argument("--temperature", type=float, default=0.9,
+                   help="sampling temperature (0: greedy)")
+    d.add_argument("--top-k", type=int, default=40,
+                   help="sample from the k most likely bytes (0: all)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    d.add_argument("--target", default="llvm",
+                   help='"llvm" for this CPU, or an llvm target as JSON (as for compile)')
     d.set_defaults(func=_demo)
 
     b = command("bench", help="time decode or prefill: the TVM kernels beside the fastest "
@@ -307,6 +345,33 @@ def build_parser():
                    help="also write the results as JSON")
     b.set_defaults(func=_bench)
 
+    tr = command("train", help="train a byte-level HLALM on this Python's standard library "
+                               "source (how the shipped demo model was made)",
+                 description="Train a second-order, byte-level HLALM (256 symbols) on the .py "
+                             "files of this interpreter's standard library, 5 percent of the "
+                             "files held out for validation, with the differentiable PyTorch "
+                             "path; writes the checkpoint and its training curve (CHECKPOINT "
+                             "without .pt + .json and .png). Same seed, same machine and "
+                             "thread count: the same weights. --attention softmax trains the "
+                             "same model with causal softmax attention instead (the baseline; "
+                             "curve only). About 10 minutes on 2 cores with the defaults.")
+    tr.add_argument("-o", "--output", default="hlalm.pt", help="checkpoint to write")
+    tr.add_argument("--steps", type=_positive, default=600, help="optimizer steps")
+    tr.add_argument("--batch", type=_positive, default=16, help="windows per step")
+    tr.add_argument("--seq-len", type=_positive, default=256, help="bytes per window")
+    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    tr.add_argument("--d-model", type=_positive, default=None, help="model width (default 128)")
+    tr.add_argument("--layers", type=_positive, default=None, help="blocks (default 4)")
+    tr.add_argument("--heads", type=_positive, default=None, help="heads (default 2: head size 64)")
+    tr.add_argument("--attention", choices=("hla", "softmax"), default="hla",
+                    help="hla: the HLALM; softmax: the same-size softmax-attention baseline")
+    tr.add_argument("--seconds", type=float, default=None,
+                    help="stop after this wall time (the learning rate decays over it; "
+                         "not reproducible step for step)")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_train)
+
     k = command("compile", help="compile an HLALM checkpoint or an ONNX model from "
                                 "`export-onnx` into a deployable module (prefill/decode entry "
                                 "points, runtime-only loading)")
@@ -338,18 +403,43 @@ def build_parser():
                         "it starts a fresh sequence from the tokens alone)")
     x.set_defaults(func=_export_onnx)
 
-    r = command("run", help="greedy generation with a compiled module (TVM runtime only)")
+    r = command("run", help="generate with a compiled module (TVM runtime only): text for "
+                            "byte-level models, token ids for others",
+                description="Prefill a prompt, then decode token by token: greedy by default, "
+                            "or sampled (--temperature, --top-k) with a seeded generator, so "
+                            "the same --seed gives the same text. Byte-level models (`hla-tvm "
+                            "train`, the demo's) take --prompt TEXT and stream text; others "
+                            "take --prompt-ids and print ids.")
     r.add_argument("module", help="a library written by `hla-tvm compile`")
+    r.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="prompt text (byte-level models)")
     r.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
     r.add_argument("--info", action="store_true",
                    help="print the module's metadata (model, state layout, which kernels use "
                         "tuned records) and exit")
-    r.add_argument("--steps", type=_positive, default=16,
+    r.add_argument("--tokens", "--steps", dest="tokens", type=_positive, default=16,
                    help="tokens to generate")
+    r.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    r.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (0: all)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     r.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
                         "physical core)")
     r.set_defaults(func=_run)
+
+    u = command("bundle", help="a folder with a compiled module and what runs it without TVM's "
+                               "compiler: the runtime libraries, a Python script (numpy + "
+                               "apache-tvm-ffi) and the C++ app's source")
+    u.add_argument("module", help="a library written by `hla-tvm compile`")
+    u.add_argument("-o", "--output", required=True, metavar="DIR", help="the bundle folder")
+    u.add_argument("--runtime-from", default=None, metavar="DIR",
+                   help="for a module of another architecture (e.g. --target aarch64): a folder "
+                        "with that architecture's tvm/ and tvm_ffi/ packages (its apache-tvm "
+                        "and apache-tvm-ffi wheels unzipped there)")
+    u.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    u.set_defaults(func=_bundle)
 
     t = command("tune", help="auto-tune an operator's kernels or a model's kernels and "
                              "projections with "
@@ -400,8 +490,9 @@ def build_parser():
                         "tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
     t.set_defaults(func=_tune)
 
-    c = command("cache", help="show (or --clear) the compiled-kernel cache folder")
-    c.add_argument("--clear", action="store_true", help="delete every cached module")
+    c = command("cache", help="show (or --clear) the cache folder: compiled kernels, the demo's "
+                              "compiled model, downloaded runtimes")
+    c.add_argument("--clear", action="store_true", help="delete everything cached")
     c.set_defaults(func=_cache)
     return p
 

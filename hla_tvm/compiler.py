@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .runtime import META_FUNC, MODULE_FORMAT
+from .target import cross_compiler
 
 
 def flat_state_spec(model):
@@ -172,7 +173,8 @@ def _with_meta(mod, meta):
 
 def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None):  # noqa: A001
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
-    (None / "llvm": this CPU) and write the library to `out`. Returns `out`.
+    (None / "llvm": this CPU; a preset such as "aarch64", cross-linked with
+    aarch64-linux-gnu-gcc; a TVM target dict) and write the library to `out`. Returns `out`.
 
     schedules: "auto" uses the tuned records for the target (the user's, else the shipped
     `schedules/<target>/`) where they exist and the default schedules for kernels without
@@ -212,14 +214,16 @@ def records_folder(schedules, target):
 
 
 def resolve_cpu_target(target):
-    """The tvm.target.Target for `target` (checked: ValueError/TypeError for a bad one);
-    NotImplementedError for non-CPU kinds (for now)."""
+    """The tvm.target.Target for `target` (checked: ValueError/TypeError for a bad one, or
+    for another architecture whose cross linker is missing); NotImplementedError for non-CPU
+    kinds (for now)."""
     from .target import resolve
 
     tgt = resolve(target)
     if tgt.kind.name != "llvm":
         raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} comes "
                                   "with the CUDA deployment work; use an llvm (CPU) target")
+    cross_compiler(tgt)
     return tgt
 
 
@@ -242,4 +246,4 @@ def build(mod, meta, target, out, records_path=None):
     mod = _with_meta(mod, meta)
     with target:
         exe = tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target))
-    return libfile.export(exe, out)
+    return libfile.export(exe, out, cc=cross_compiler(target))

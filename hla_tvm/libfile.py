@@ -53,15 +53,21 @@ def seal(path, tag: bytes = NO_TAG):
         f.write(HEAD + tag + digest + TAIL)
 
 
-def export(exe, path, tag: bytes = NO_TAG):
+def export(exe, path, tag: bytes = NO_TAG, cc=None):
     """Write the library of `exe` (a TVM executable or module) to `path`, sealed with `tag`:
     into a temporary file beside it, then renamed over `path` (never rewritten in place, which
-    would kill processes that have the old file mapped)."""
+    would kill processes that have the old file mapped). cc: the C compiler command that links
+    it (None: the host's; a cross compiler for another architecture)."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)
     try:
-        exe.export_library(tmp)
+        if cc is None:
+            exe.export_library(tmp)
+        else:
+            from tvm.support import cc as tvm_cc
+
+            exe.export_library(tmp, fcompile=tvm_cc.cross_compiler(cc))
         seal(tmp, tag)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)

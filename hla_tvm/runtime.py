@@ -127,6 +127,8 @@ class CompiledModel:
                              f", expected {MODULE_FORMAT!r}")
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")
+        # what token ids mean: "bytes" (UTF-8 text, id = byte) or None (the model's own ids)
+        self.vocab = (self.meta.get("config") or {}).get("vocab")
         self.max_batch = self.meta.get("max_batch")
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path

@@ -6,6 +6,16 @@ import json
 import os
 
 HOST_ALIASES = (None, "llvm", "host")
+# named targets besides "llvm"/"host" and TVM target dicts
+PRESETS = {
+    # any x86-64 CPU (the baseline ISA: SSE2, no AVX), e.g. for a module shipped to unknown PCs
+    "x86-64": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"},
+    # 64-bit Arm Linux with NEON (Raspberry Pi 4/5, Jetson, Graviton); cross-linked with
+    # aarch64-linux-gnu-gcc
+    "aarch64": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]},
+    # NVIDIA GPUs from Ampere on (compiling models for it comes with the CUDA work)
+    "cuda": {"kind": "cuda", "arch": "sm_80"},
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -18,8 +28,8 @@ def host_target():
 
 
 def parse(text):
-    """A command-line --target value: "llvm"/"host" for this CPU, JSON for a dict, or any
-    string TVM's Target parser takes (a kind such as "c", a tag such as "nvidia/nvidia-a100")."""
+    """A command-line --target value: "llvm"/"host" for this CPU, a preset name ("x86-64",
+    "aarch64", "cuda"), JSON for a dict, or any string TVM's Target parser takes (a kind such as "c", a tag such as "nvidia/nvidia-a100")."""
     text = text.strip()
     if text.startswith("{"):
         try:
@@ -30,8 +40,8 @@ def parse(text):
 
 
 def resolve(target):
-    """None, "llvm" or "host" -> the host CPU; a dict, a Target, or a string TVM's own parser
-    accepts -> that target. ValueError (naming the target and why) for anything else.
+    """None, "llvm" or "host" -> the host CPU; a name in PRESETS ("x86-64", "aarch64", "cuda")
+    -> that target; a dict, a Target, or a string TVM's own parser accepts -> that target. ValueError (naming the target and why) for anything else.
 
     TVM 0.27 no longer parses flag strings ("llvm -mcpu=..."); give a dict instead,
     {"kind": "llvm", "mcpu": "znver4"}. An LLVM CPU name is checked against LLVM's list."""
@@ -41,6 +51,8 @@ def resolve(target):
         return host_target()
     if target is None:
         return host_target()
+    if isinstance(target, str) and target.strip() in PRESETS:
+        target = PRESETS[target.strip()]
     if isinstance(target, tvm.target.Target):
         tgt = target
     elif isinstance(target, (dict, str)):
@@ -50,7 +62,8 @@ def resolve(target):
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(
                 f"target={target!r} is not a TVM target ({reason}); give 'llvm' for this CPU, "
-                "a dict such as {'kind': 'llvm', 'mcpu': 'znver4'}, or a target tag") from None
+                f"a preset ({', '.join(PRESETS)}), a dict such as "
+                "{'kind': 'llvm', 'mcpu': 'znver4'}, or a target tag") from None
     else:
         raise TypeError(f"target must be None, a string, a dict or a tvm.target.Target, "
                         f"got {type(target).__name__}")

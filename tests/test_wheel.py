@@ -18,7 +18,7 @@ def test_installed_wheel_finds_the_shipped_records(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    for name in ("hla_tvm", "schedules"):
+    for name in ("hla_tvm", "schedules", "export"):
         shutil.copytree(os.path.join(ROOT, name), src / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
@@ -32,6 +32,10 @@ def test_installed_wheel_finds_the_shipped_records(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     assert all(f"hla_tvm/_schedules/{f}" in names for f in shipped)
+    # the demo model, and the app sources `hla-tvm bundle` copies
+    for f in ("hla_tvm/data/stdlib-hla2.pt", "hla_tvm/_export/cpp/main.cc",
+              "hla_tvm/_export/cpp/CMakeLists.txt", "hla_tvm/_export/python/generate.py"):
+        assert f in names, f
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",

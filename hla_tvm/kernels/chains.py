@@ -33,6 +33,7 @@ is a plain prefix sum.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from . import KERNELS, REFERENCES, STATE_NAMES, _tir
@@ -202,10 +203,34 @@ def kernel_name(chain, call, dk, dv, group=1):
     return f"{chain.family}_chunk_{call.kernel}"
 
 
+_PARSE_LOCK = threading.Lock()
+
+
+def _reset_macro_counts():
+    """Restart the expansion count of every TVMScript macro of the kernel modules. TVMScript
+    suffixes the block names of a macro's n-th expansion in the process with "_n"; block names
+    are part of a kernel's structural hash (how tuned records are found) and of the traces
+    records replay, so each kernel must be parsed from a count of zero."""
+    for mod in (_tir, *KERNELS.values()):
+        for obj in vars(mod).values():
+            # T.macro gives a function whose closure holds the macro object
+            for cell in getattr(obj, "__closure__", None) or ():
+                macro = cell.cell_contents
+                if hasattr(macro, "call_count") and hasattr(macro, "parse_macro"):
+                    macro.call_count = 0
+
+
 def make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
     """The PrimFunc of `call`; opts: normalize, eps (and masked, ridge for second order). With
     group > 1 the query-head kernels read k, v and the other key/value-head buffers with
-    H / group heads (query head h reads key/value head h // group)."""
+    H / group heads (query head h reads key/value head h // group). The same arguments give
+    the same function (block names included) whatever was built before in the process."""
+    with _PARSE_LOCK:
+        _reset_macro_counts()
+        return _make_kernel(chain, call, dk, dv, chunk=chunk, dtype=dtype, group=group, **opts)
+
+
+def _make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
     kmod = KERNELS[chain.family]
     if call.kernel == "scan":
         return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype,

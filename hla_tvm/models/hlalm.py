@@ -14,6 +14,8 @@ from torch import nn
 from ..nn import HLAttention, RMSNorm, SwiGLU
 
 CHECKPOINT_FORMAT = "hla_tvm.HLALM/1"
+# what token ids mean: None (the caller's own vocabulary) or "bytes" (id = byte value, 256 ids)
+VOCAB_KINDS = (None, "bytes")
 
 
 class Block(nn.Module):
@@ -37,12 +39,17 @@ class HLALM(nn.Module):
     final norm, tied or untied output head.
 
     forward(tokens [B, T] int64, state=None) -> (logits [B, T, vocab], state), state being a list
-    with every layer's HLA state dict (None: a fresh sequence)."""
+    with every layer's HLA state dict (None: a fresh sequence). vocab="bytes" records that token
+    ids are byte values (UTF-8 text; vocab_size 256), so tools turn text into tokens and back."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, *, order=2, asymmetric=False,
                  head_dim=None, n_kv_heads=None, decay=None, normalize=False, masked=True,
-                 mlp_hidden=None, tie_embeddings=True, chunk_size=64):
+                 mlp_hidden=None, tie_embeddings=True, chunk_size=64, vocab=None):
         super().__init__()
+        if vocab not in VOCAB_KINDS:
+            raise ValueError(f"vocab must be one of {VOCAB_KINDS}, got {vocab!r}")
+        if vocab == "bytes" and vocab_size != 256:
+            raise ValueError(f"vocab='bytes' needs vocab_size=256, got {vocab_size}")
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                            n_heads=n_heads, order=order, asymmetric=asymmetric,
                            head_dim=head_dim, n_kv_heads=n_kv_heads,
@@ -51,6 +58,8 @@ class HLALM(nn.Module):
                             [float(x) for x in decay]),
                            normalize=normalize, masked=masked, mlp_hidden=mlp_hidden,
                            tie_embeddings=tie_embeddings, chunk_size=chunk_size)
+        if vocab is not None:   # (absent otherwise: older checkpoints keep their digest)
+            self.config["vocab"] = vocab
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             Block(d_model, n_heads, mlp_hidden or 4 * d_model, head_dim=head_dim,
@@ -138,6 +147,7 @@ CONFIG_KEYS = {
     "decay": ((float, int, list, type(None)), False), "normalize": ((bool,), False),
     "masked": ((bool,), False), "mlp_hidden": ((int, type(None)), False),
     "tie_embeddings": ((bool,), False), "chunk_size": ((int,), False),
+    "vocab": ((str, type(None)), False),
 }
 
 

@@ -244,10 +244,13 @@ def specialize(func, shapes):
 
 def workload(func, shapes):
     """The meta_schedule workload module of a kernel: specialized, its function named main and
-    marked noalias, as tune_tir normalizes a task (records are found by structural hash)."""
+    marked noalias, as tune_tir normalizes a task (records are found by structural hash), without
+the Relax fusion attribute a model's copy carries."""
     import tvm
 
     func = specialize(func, shapes).with_attr("global_symbol", "main")
+    if func.attrs and "op_pattern" in func.attrs:   # set on a model's functions by legalize
+        func = func.without_attr("op_pattern")
     return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
 
 

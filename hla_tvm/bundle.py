@@ -1,0 +1,191 @@
+"""`hla-tvm bundle`: a compiled module with everything that runs it where TVM's compiler is not
+installed. The folder holds:
+
+    model.so                      the module, as compiled
+    generate.py                   Python generation: numpy + apache-tvm-ffi, no TVM package
+    cpp/CMakeLists.txt, main.cc   the C++ app (no Python needed)
+    runtime/tvm/lib/libtvm_runtime.so, runtime/tvm/include/
+    runtime/tvm_ffi/lib/libtvm_ffi.so, runtime/tvm_ffi/include/
+    bundle.json                   what was bundled: model, architecture, runtime versions
+    README.md                     how to run it
+
+The runtime libraries are the installed wheels' for a module of this machine's architecture;
+for another one (an aarch64 module built here) they come from `runtime_from`, a folder with the
+target's `tvm/` and `tvm_ffi/` packages, or else from that architecture's apache-tvm and
+apache-tvm-ffi wheels of the installed versions (`fetch_runtime`: pip downloads them once into
+the cache and keeps only the runtime libraries and headers)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+
+# ELF e_machine -> architecture name (as `uname -m` prints it)
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
+
+
+def elf_machine(path):
+    """The architecture an ELF shared library at `path` is built for; ValueError for files
+    that are not ELF."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        raise ValueError(f"{path}: not a shared library (no ELF header)")
+    code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return ELF_MACHINES.get(code, f"machine {code}")
+
+
+def export_sources():
+    """The folder with the app sources (cpp/, python/): hla_tvm/_export in an installed wheel,
+    export/ in a checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "_export"), os.path.join(os.path.dirname(here), "export")):
+        if os.path.isfile(os.path.join(path, "cpp", "main.cc")):
+            return path
+    raise FileNotFoundError("the export/ app sources are missing from this installation")
+
+
+# what a bundle needs from each package: its runtime library and headers
+RUNTIME_FILES = {"tvm": ("lib/libtvm_runtime.so", "include/"),
+                 "tvm_ffi": ("lib/libtvm_ffi.so", "include/")}
+DISTRIBUTIONS = {"tvm": "apache-tvm", "tvm_ffi": "apache-tvm-ffi"}
+
+
+def fetch_runtime(arch, progress=print):
+    """A folder with `arch`'s tvm/ and tvm_ffi/ runtime files (RUNTIME_FILES) from the
+    apache-tvm and apache-tvm-ffi wheels of the installed versions for manylinux `arch`:
+    downloaded with pip once, then kept in the cache. OSError when pip cannot get them."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+    from importlib.metadata import version
+
+    from .build import cache_dir
+
+    versions = {pkg: version(dist) for pkg, dist in DISTRIBUTIONS.items()}
+    dest = os.path.join(cache_dir(), "runtime", f"{arch}-tvm{versions['tvm']}-ffi"
+                                                f"{versions['tvm_ffi']}")
+    if all(os.path.isfile(os.path.join(dest, p, RUNTIME_FILES[p][0])) for p in RUNTIME_FILES):
+        return dest
+    progress(f"downloading the {arch} TVM runtime (apache-tvm {versions['tvm']}, "
+             f"apache-tvm-ffi {versions['tvm_ffi']} wheels, about 100 MB; kept in {dest}) ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--platform", f"manylinux_2_28_{arch}", "-d", tmp, "-q",
+               *(f"{DISTRIBUTIONS[p]}=={v}" for p, v in versions.items())]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise OSError(f"pip could not download the {arch} TVM wheels: "
+                          f"{(run.stderr.strip().splitlines() or ['?'])[-1]}")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(dest))
+        for wheel in os.listdir(tmp):
+            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
+                for name in z.namelist():
+                    pkg, _, rest = name.partition("/")
+                    if pkg in RUNTIME_FILES and any(rest == f or (f.endswith("/") and
+                                                                  rest.startswith(f))
+                                                    for f in RUNTIME_FILES[pkg]):
+                        z.extract(name, staging)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)
+    return dest
+
+
+def runtime_packages(arch, runtime_from=None, progress=print):
+    """(tvm folder, tvm_ffi folder) holding lib/ and include/ for `arch`: the installed
+    packages' for this machine's architecture, else those under `runtime_from`, else
+    `fetch_runtime`'s."""
+    import importlib.util
+
+    if runtime_from is None and arch != platform.machine():
+        runtime_from = fetch_runtime(arch, progress)
+    if runtime_from is None:
+        roots = [os.path.dirname(importlib.util.find_spec(p).origin) for p in ("tvm", "tvm_ffi")]
+    else:
+        roots = [os.path.join(os.fspath(runtime_from), p) for p in ("tvm", "tvm_ffi")]
+    for root, lib in zip(roots, ("libtvm_runtime.so", "libtvm_ffi.so")):
+        path = os.path.join(root, "lib", lib)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing (--runtime-from must hold tvm/lib/ and "
+                             "tvm_ffi/lib/)")
+        if elf_machine(path) != arch:
+            raise ValueError(f"{path} is built for {elf_machine(path)}, the module for {arch}")
+    return roots
+
+
+def bundle(module, out, *, runtime_from=None, force=False, progress=print):
+    """Write the bundle of the compiled module `module` to the folder `out` (see the module
+    docstring). Refuses a non-empty `out` unless force. Returns the bundle's description."""
+    from importlib.metadata import version
+
+    from . import libfile
+
+    module, out = os.fspath(module), os.fspath(out)
+    if not os.path.isfile(module):
+        raise FileNotFoundError(f"no compiled module at {module}")
+    libfile.check(module)   # sealed by hla-tvm compile, not truncated or altered
+    arch = elf_machine(module)
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ValueError(f"{out} exists and is not empty (--force replaces it)")
+    tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
+    meta = None
+    if arch == platform.machine():   # loadable here: check it is an hla_tvm model
+        from .runtime import load
+
+        meta = load(module, threads=1).meta
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    shutil.copy2(module, os.path.join(out, "model.so"))
+    src = export_sources()
+    shutil.copytree(os.path.join(src, "cpp"), os.path.join(out, "cpp"),
+                    ignore=shutil.ignore_patterns("build*"))
+    shutil.copy2(os.path.join(src, "python", "generate.py"), os.path.join(out, "generate.py"))
+    for root, lib in ((tvm_root, "libtvm_runtime.so"), (ffi_root, "libtvm_ffi.so")):
+        dst = os.path.join(out, "runtime", os.path.basename(root))
+        os.makedirs(os.path.join(dst, "lib"))
+        shutil.copy2(os.path.join(root, "lib", lib), os.path.join(dst, "lib", lib))
+        shutil.copytree(os.path.join(root, "include"), os.path.join(dst, "include"))
+    info = {"module": os.path.basename(module), "arch": arch,
+            "vocab": ((meta or {}).get("config") or {}).get("vocab"),
+            "config": (meta or {}).get("config"), "tvm_ffi": version("apache-tvm-ffi")}
+    with open(os.path.join(out, "bundle.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(_readme(info))
+    return info
+
+
+def _readme(info):
+    text = info["vocab"] == "bytes"
+    prompt = '--text "def fib(" --steps 200' if text else "--prompt 5,9,2,33 --steps 12"
+    return f"""# hla_tvm bundle
+
+`model.so`: a language model compiled by `hla-tvm compile` for {info['arch']} Linux, with what
+runs it on a machine that has neither TVM's compiler nor PyTorch. It
+{'generates text (byte-level vocabulary)' if text else 'generates token ids'}.
+
+## Python (numpy and apache-tvm-ffi; no TVM package)
+
+```
+pip install numpy apache-tvm-ffi=={info['tvm_ffi']}
+python generate.py model.so {prompt}
+```
+
+`generate.py` loads `runtime/tvm/lib/libtvm_runtime.so` from this folder.
+
+## C++ (CMake and a C++17 compiler; no Python)
+
+```
+cmake -S cpp -B build -DTVM_ROOT=$PWD/runtime/tvm -DTVM_FFI_ROOT=$PWD/runtime/tvm_ffi
+cmake --build build
+build/hla_tvm_app model.so {prompt}
+```
+
+The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run path); copied
+elsewhere, put them beside the binary. Both programs take `--temperature T --top-k K --seed S`
+for seeded sampling (greedy by default) and print
+{'the prompt and the generated text' if text else 'the generated token ids on one line'}.
+"""

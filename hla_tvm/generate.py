@@ -1,0 +1,106 @@
+"""Generation loops over a model with `init_state`, `prefill` and `decode` (a compiled module
+from `hla_tvm.runtime.load`, or `Eager`, the PyTorch model behind the same calls), and the
+byte-level text vocabulary.
+
+The sampler is the export apps' (export/python, export/cpp): greedy at temperature 0, else
+softmax(logits / temperature) over the `top_k` most likely tokens (0: all), drawn with a seeded
+generator, so a seed gives the same continuation every run."""
+from __future__ import annotations
+
+import codecs
+import time
+
+import numpy as np
+
+
+def encode_text(text):
+    """The byte-level token ids of `text` (its UTF-8 bytes)."""
+    if not isinstance(text, str):
+        raise TypeError(f"prompt must be a string, got {type(text).__name__}")
+    if not text:
+        raise ValueError("prompt must not be empty")
+    return list(text.encode("utf-8"))
+
+
+def text_decoder():
+    """An incremental UTF-8 decoder: feed(byte ids) -> the text they complete (invalid bytes
+    become U+FFFD), so a stream prints whole characters."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return lambda ids: dec.decode(bytes(ids))
+
+
+def check_sampling(temperature, top_k, seed):
+    """ValueError naming the argument for a negative or non-finite temperature, a negative
+    top_k or a seed that is not an int."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
+            not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: all tokens), got {top_k!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def pick(logits, temperature, top_k, rng):
+    """The next token from `logits` [vocab]: argmax at temperature 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k most likely (0: all)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    order = np.argsort(-logits, kind="stable")[: top_k or len(logits)]
+    p = np.exp((logits[order] - logits[order[0]]) / temperature)
+    return int(order[rng.choice(len(order), p=p / p.sum())])
+
+
+def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token=None,
+             keep_logits=False):
+    """`steps` token ids following `prompt` (a list of ids) for one sequence. on_token(id) is
+    called as each is chosen. Returns (tokens, info) with info {"prefill_s", "decode_s",
+    "decode_steps", "logits": [last prompt logits, each decode step's] if keep_logits}."""
+    check_sampling(temperature, top_k, seed)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    rng = np.random.default_rng(seed)
+    state = model.init_state(1)
+    t0 = time.perf_counter()
+    logits, state = model.prefill(np.array([prompt], dtype=np.int64), state)
+    last = np.asarray(logits)[0, -1]
+    info = {"prefill_s": time.perf_counter() - t0, "decode_s": 0.0, "decode_steps": 0,
+            "logits": [last] if keep_logits else None}
+    tokens = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        tok = pick(last, temperature, top_k, rng)
+        tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if step + 1 < steps:
+            logits, state = model.decode(np.array([tok], dtype=np.int64), state)
+            last = np.asarray(logits)[0]
+            if keep_logits:
+                info["logits"].append(last)
+    info["decode_s"] = time.perf_counter() - t0
+    info["decode_steps"] = steps - 1
+    return tokens, info
+
+
+class Eager:
+    """An HLALM in PyTorch eager mode behind the compiled module's calls: init_state(batch),
+    prefill(tokens [B, T], state), decode(tokens [B], state), numpy logits out."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    def init_state(self, batch):
+        return None   # the model starts a fresh sequence from no state
+
+    def prefill(self, tokens, state):
+        import torch
+
+        with torch.no_grad():
+            logits, state = self.model(torch.as_tensor(np.asarray(tokens)), state)
+        return logits.numpy(), state
+
+    def decode(self, tokens, state):
+        logits, state = self.prefill(np.asarray(tokens)[:, None], state)
+        return logits[:, 0], state

@@ -1,0 +1,236 @@
+"""`hla-tvm train`: a byte-level language model trained on the Python standard library's source.
+
+The corpus is every .py file under this interpreter's standard library (site-packages left
+out), read as bytes; a file goes to validation when crc32(its relative path) % 20 == 0 (about
+5%), so the split does not depend on file order. Training minimizes next-byte cross entropy
+on random windows, AdamW with linear warmup and cosine decay, the HLA layers running the
+differentiable PyTorch path. Losses are reported in bits per byte (nats / ln 2)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import sysconfig
+import time
+import zlib
+
+import torch
+from torch.nn import functional as F
+
+VAL_MODULUS = 20
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_corpus(root=None):
+    """(train bytes, validation bytes) as uint8 tensors: the .py files under `root` (default
+    this interpreter's standard library) in sorted path order, each followed by a newline."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    parts = {False: [], True: []}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                with open(path, "rb") as f:
+                    parts[zlib.crc32(rel.encode()) % VAL_MODULUS == 0].append(f.read() + b"\n")
+    if not parts[False] or not parts[True]:
+        raise ValueError(f"{root}: too few .py files for a training and a validation split")
+    return tuple(torch.frombuffer(bytearray(b"".join(parts[v])), dtype=torch.uint8)
+                 for v in (False, True))
+
+
+def windows(data, batch, seq_len, generator):
+    """`batch` random windows of seq_len + 1 bytes from `data`: (inputs, targets) int64 [B, T]."""
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=generator)
+    rows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def loss_of(model, inputs, targets):
+    """Mean next-token cross entropy (nats) of `model` on one batch."""
+    logits, _ = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, batches):
+    """Mean loss over fixed validation batches, in bits per byte."""
+    was = model.training
+    model.eval()
+    total = sum(float(loss_of(model, x, y)) for x, y in batches) / len(batches)
+    model.train(was)
+    return total / math.log(2)
+
+
+def learning_rate(step, progress, peak, warmup):
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to peak / 10 as
+    `progress` (the fraction of the run done) goes from 0 to 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def fit(model, train, val, *, steps, batch=16, seq_len=256, lr=3e-3, warmup=30, seed=0,
+        eval_every=50, eval_batches=16, seconds=None, progress=True):
+    """Train `model` in place; returns the history {"steps": [...], "train_bpb": [...],
+    "val": [[step, bpb], ...], "seconds", "tokens"}. With `seconds`, the run stops at that wall
+    time and the learning rate decays over it (then it is not reproducible step for step)."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    val_gen = torch.Generator().manual_seed(seed + 1)
+    val_batches = [windows(val, batch, seq_len, val_gen) for _ in range(eval_batches)]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    hist = {"steps": [], "train_bpb": [], "val": [], "seconds": 0.0, "tokens": 0}
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+    for step in range(steps):
+        if step % eval_every == 0:
+            hist["val"].append([step, evaluate(model, val_batches)])
+        done = step / steps if seconds is None else (time.perf_counter() - t0) / seconds
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, done, lr, warmup)
+        x, y = windows(train, batch, seq_len, gen)
+        loss = loss_of(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        hist["steps"].append(step)
+        hist["train_bpb"].append(float(loss.detach()) / math.log(2))
+        hist["tokens"] += x.numel()
+        elapsed = time.perf_counter() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{hist['train_bpb'][-1]:.3f} bpb",
+                        val=f"{hist['val'][-1][1]:.3f}", tok_s=f"{hist['tokens'] / elapsed:.0f}")
+        if seconds is not None and elapsed >= seconds:
+            break
+    bar.close()
+    hist["val"].append([len(hist["steps"]), evaluate(model, val_batches)])
+    hist["seconds"] = time.perf_counter() - t0
+    return hist
+
+
+def write_curve(hist, path, label):
+    """The training curve as JSON at `path` + ".json" and a PNG plot at `path` + ".png"
+    (training bits/byte, smoothed, in blue; validation in red)."""
+    with open(path + ".json", "w") as f:
+        json.dump({"label": label, **hist}, f, indent=1)
+    train = hist["train_bpb"]
+    smooth, acc = [], None
+    for v in train:
+        acc = v if acc is None else 0.9 * acc + 0.1 * v
+        smooth.append(acc)
+    series = [(list(enumerate(smooth)), (40, 90, 200)),
+              ([(s, v) for s, v in hist["val"]], (210, 40, 40))]
+    write_png(path + ".png", series, x_max=max(1, len(train)))
+
+
+def write_png(path, series, x_max, width=640, height=360):
+    """A line plot of `series` ([(points [(x, y)], rgb)]) over x in [0, x_max], y over the
+    points' range, with axes; written as an 8-bit RGB PNG."""
+    pix = bytearray(b"\xff" * (width * height * 3))
+    left, right, top, bottom = 40, width - 10, 10, height - 30
+    ys = [y for pts, _ in series for _, y in pts if math.isfinite(y)]
+    lo, hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
+    hi = hi if hi > lo else lo + 1.0
+
+    def put(x, y, rgb):
+        if 0 <= x < width and 0 <= y < height:
+            i = (y * width + x) * 3
+            pix[i:i + 3] = bytes(rgb)
+
+    def to_px(x, y):
+        return (round(left + (right - left) * x / x_max),
+                round(bottom - (bottom - top) * (y - lo) / (hi - lo)))
+
+    for x in range(left, right + 1):
+        put(x, bottom, (0, 0, 0))
+    for y in range(top, bottom + 1):
+        put(left, y, (0, 0, 0))
+    for k in range(1, 5):   # light grid: quarters of the y range
+        y = bottom - (bottom - top) * k // 4
+        for x in range(left + 1, right + 1, 4):
+            put(x, y, (200, 200, 200))
+    for pts, rgb in series:
+        px = [to_px(x, y) for x, y in pts if math.isfinite(y)]
+        for (x0, y0), (x1, y1) in zip(px, px[1:]):
+            n = max(abs(x1 - x0), abs(y1 - y0), 1)
+            for i in range(n + 1):
+                for d in (0, 1):
+                    put(x0 + (x1 - x0) * i // n, y0 + (y1 - y0) * i // n + d, rgb)
+    raw = b"".join(b"\x00" + bytes(pix[r * width * 3:(r + 1) * width * 3]) for r in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
+                                                                 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def init_weights(model, std=0.02):
+    """GPT-style initialization: embeddings N(0, std) (tied logits start near uniform), every
+    projection N(0, std), output projections N(0, std / sqrt(2 * layers))."""
+    layers = len(getattr(model, "blocks", ())) or 1
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            out_proj = name.endswith(("o_proj.weight", "down.weight"))
+            torch.nn.init.normal_(p, 0.0, std / math.sqrt(2 * layers) if out_proj else std)
+
+
+# the shipped model's shape: second order, head size 64 (the shipped records' shapes), ~1.1 M
+# parameters (4.3 MB of float32 weights)
+SHIPPED_CONFIG = dict(vocab_size=256, d_model=128, n_layers=4, n_heads=2, order=2,
+                      chunk_size=64, vocab="bytes")
+
+
+def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hla",
+        seconds=None, d_model=None, n_layers=None, n_heads=None, progress=True):
+    """Train a byte-level model (SHIPPED_CONFIG with the given overrides) on the standard
+    library and write `out` (an HLALM checkpoint; not for attention="softmax", the baseline)
+    and its curve `out` minus ".pt" + ".json"/".png". Returns the history."""
+    from .models import HLALM
+    from .models.softmax_baseline import softmax_baseline
+
+    if attention not in ("hla", "softmax"):
+        raise ValueError(f"attention must be 'hla' or 'softmax', got {attention!r}")
+    config = dict(SHIPPED_CONFIG)
+    for key, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads)):
+        if value is not None:
+            config[key] = value
+    if config["d_model"] % config["n_heads"]:
+        raise ValueError(f"--heads {config['n_heads']} must divide --d-model {config['d_model']}")
+    train, val = stdlib_corpus()
+    torch.manual_seed(seed)
+    model = HLALM(**config) if attention == "hla" else softmax_baseline(config)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"training a {attention} byte-level model ({n_params / 1e6:.2f} M parameters) on the "
+          f"standard library's source: {train.numel() / 1e6:.1f} MB for training, "
+          f"{val.numel() / 1e6:.1f} MB held out; {steps} steps of {batch} x {seq_len} bytes, "
+          f"seed {seed}, {torch.get_num_threads()} threads", flush=True)
+    hist = fit(model, train, val, steps=steps, batch=batch, seq_len=seq_len, lr=lr, seed=seed,
+               seconds=seconds, progress=progress)
+    hist.update(config=config, attention=attention, params=n_params, seed=seed, batch=batch,
+                seq_len=seq_len, lr=lr, python=sys.version.split()[0],
+                torch=torch.__version__, threads=torch.get_num_threads())
+    stem = out[:-3] if out.endswith(".pt") else out
+    if attention == "hla":
+        model.save(out)
+    write_curve(hist, stem, attention)
+    print(f"validation: {hist['val'][-1][1]:.3f} bits/byte after {len(hist['steps'])} steps, "
+          f"{hist['seconds']:.0f} s ({hist['tokens'] / hist['seconds']:.0f} tokens/s)")
+    print("wrote " + (f"{out}, " if attention == "hla" else "") + f"{stem}.json, {stem}.png")
+    return hist

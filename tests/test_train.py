@@ -1,0 +1,104 @@
+"""`hla-tvm train`: the corpus split, that training learns and repeats from a seed, and the files
+it writes (checkpoint, JSON curve, PNG)."""
+import json
+import os
+import struct
+import zlib
+
+import pytest
+import torch
+
+from hla_tvm import train
+from hla_tvm.cli import main
+from hla_tvm.models import HLALM
+
+
+def _names(want_val, count):
+    """File names whose crc32 puts them in (want_val=True) or out of the validation split."""
+    out, i = [], 0
+    while len(out) < count:
+        name = f"m{i}.py"
+        if (zlib.crc32(name.encode()) % train.VAL_MODULUS == 0) == want_val:
+            out.append(name)
+        i += 1
+    return out
+
+
+def test_corpus_split_is_by_path_and_skips_site_packages(tmp_path):
+    val, trn = _names(True, 1), _names(False, 2)
+    for name in val + trn:
+        (tmp_path / name).write_text(f"# {name}\n")
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / trn[0]).write_text("# never read\n")
+    (tmp_path / "notes.txt").write_text("not python\n")
+    t, v = train.stdlib_corpus(str(tmp_path))
+    assert bytes(v.numpy()) == f"# {val[0]}\n\n".encode()
+    assert bytes(t.numpy()) == b"".join(f"# {n}\n\n".encode() for n in sorted(trn))
+    with pytest.raises(ValueError, match="too few"):
+        train.stdlib_corpus(str(tmp_path / "site-packages"))
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = HLALM(256, 16, 1, 1, chunk_size=16, vocab="bytes")
+    train.init_weights(model)
+    return model
+
+
+def test_training_learns_and_repeats_from_a_seed():
+    data = torch.frombuffer(bytearray(b"def f(x):\n    return x + 1\n" * 200), dtype=torch.uint8)
+    runs = []
+    for _ in range(2):
+        model = _tiny()
+        hist = train.fit(model, data, data, steps=40, batch=4, seq_len=32, lr=1e-2, warmup=5,
+                         eval_every=20, eval_batches=2, progress=False)
+        runs.append((model, hist))
+    (m1, h1), (m2, h2) = runs
+    assert h1["train_bpb"] == h2["train_bpb"]
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(),
+                                                  m2.state_dict().values()))
+    first, last = h1["val"][0][1], h1["val"][-1][1]
+    assert first > 7.0 and last < 0.5 * first, h1["val"]   # a repeated line is learned
+
+
+def _png_size(path):
+    blob = open(path, "rb").read()
+    assert blob[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", blob[16:24])
+    idat = blob.index(b"IDAT")
+    n = struct.unpack(">I", blob[idat - 4:idat])[0]
+    assert len(zlib.decompress(blob[idat + 4:idat + 4 + n])) == h * (1 + 3 * w)
+    return w, h
+
+
+def test_train_command_writes_checkpoint_curve_and_png(tmp_path, capsys):
+    out = str(tmp_path / "m.pt")
+    assert main(["train", "-o", out, "--steps", "2", "--batch", "2", "--seq-len", "32",
+                 "--d-model", "16", "--layers", "1", "--heads", "1", "--quiet"]) == 0
+    model = HLALM.load(out)
+    assert model.config["vocab"] == "bytes" and model.config["d_model"] == 16
+    curve = json.load(open(str(tmp_path / "m.json")))
+    assert curve["attention"] == "hla" and len(curve["train_bpb"]) == 2
+    assert curve["val"][-1][0] == 2 and 0 < curve["val"][-1][1] < 9
+    assert _png_size(str(tmp_path / "m.png")) == (640, 360)
+    assert "bits/byte" in capsys.readouterr().out
+    # the softmax baseline writes its curve only
+    base = str(tmp_path / "b.pt")
+    assert main(["train", "-o", base, "--attention", "softmax", "--steps", "2", "--batch", "2",
+                 "--seq-len", "32", "--d-model", "16", "--layers", "1", "--heads", "1",
+                 "--quiet"]) == 0
+    assert not os.path.exists(base) and json.load(open(str(tmp_path / "b.json")))["attention"] \
+        == "softmax"
+
+
+def test_train_refuses_heads_that_do_not_divide_the_width(tmp_path, capsys):
+    assert main(["train", "-o", str(tmp_path / "m.pt"), "--d-model", "30", "--heads", "4",
+                 "--steps", "1"]) == 2
+    assert "--heads 4 must divide --d-model 30" in capsys.readouterr().err
+
+
+def test_byte_vocab_config_is_checked():
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        HLALM(100, 16, 1, 1, vocab="bytes")
+    with pytest.raises(ValueError, match="vocab must be one of"):
+        HLALM(256, 16, 1, 1, vocab="words")
