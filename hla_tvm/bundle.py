@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
+import tempfile
+
+from .target import is_host_arch
 
 # ELF e_machine -> architecture name (as `uname -m` prints it)
 ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
@@ -81,16 +83,22 @@ def fetch_runtime(arch, progress=print):
                           f"{(run.stderr.strip().splitlines() or ['?'])[-1]}")
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         staging = tempfile.mkdtemp(dir=os.path.dirname(dest))
-        for wheel in os.listdir(tmp):
-            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
-                for name in z.namelist():
-                    pkg, _, rest = name.partition("/")
-                    if pkg in RUNTIME_FILES and any(rest == f or (f.endswith("/") and
-                                                                  rest.startswith(f))
-                                                    for f in RUNTIME_FILES[pkg]):
-                        z.extract(name, staging)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(staging, dest)
+        try:
+            for wheel in os.listdir(tmp):
+                with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
+                    for name in z.namelist():
+                        pkg, _, rest = name.partition("/")
+                        if pkg in RUNTIME_FILES and any(
+                                rest == f or (f.endswith("/") and rest.startswith(f))
+                                for f in RUNTIME_FILES[pkg]):
+                            z.extract(name, staging)
+            try:
+                os.replace(staging, dest)
+            except OSError:   # another process put a complete copy there first
+                if not os.path.isdir(dest):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return dest
 
 
@@ -100,7 +108,7 @@ def runtime_packages(arch, runtime_from=None, progress=print):
     `fetch_runtime`'s."""
     import importlib.util
 
-    if runtime_from is None and arch != platform.machine():
+    if runtime_from is None and not is_host_arch(arch):
         runtime_from = fetch_runtime(arch, progress)
     if runtime_from is None:
         roots = [os.path.dirname(importlib.util.find_spec(p).origin) for p in ("tvm", "tvm_ffi")]
@@ -119,25 +127,43 @@ def runtime_packages(arch, runtime_from=None, progress=print):
 def bundle(module, out, *, runtime_from=None, force=False, progress=print):
     """Write the bundle of the compiled module `module` to the folder `out` (see the module
     docstring). Refuses a non-empty `out` unless force. Returns the bundle's description."""
-    from importlib.metadata import version
-
     from . import libfile
 
-    module, out = os.fspath(module), os.fspath(out)
+    module, out = os.fspath(module), os.path.abspath(os.fspath(out))
     if not os.path.isfile(module):
         raise FileNotFoundError(f"no compiled module at {module}")
     libfile.check(module)   # sealed by hla-tvm compile, not truncated or altered
     arch = elf_machine(module)
+    if os.path.commonpath([os.path.realpath(module), os.path.realpath(out)]) == \
+            os.path.realpath(out):
+        raise ValueError(f"-o {out} holds the module itself; bundle into another folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"{out} exists and is not empty (--force replaces it)")
     tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
     meta = None
-    if arch == platform.machine():   # loadable here: check it is an hla_tvm model
+    if is_host_arch(arch):   # loadable here: check it is an hla_tvm model
         from .runtime import load
 
-        meta = load(module, threads=1).meta
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+        meta = load(module).meta
+    # written beside `out`, then swapped in whole: a failure leaves any old bundle as it was
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(dir=parent, prefix=".bundle-")
+    os.chmod(stage, 0o755)
+    try:
+        info = _write(stage, module, arch, meta, tvm_root, ffi_root)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return info
+
+
+def _write(out, module, arch, meta, tvm_root, ffi_root):
+    """The bundle's files in the folder `out`; returns its description."""
+    from importlib.metadata import version
+
     shutil.copy2(module, os.path.join(out, "model.so"))
     src = export_sources()
     shutil.copytree(os.path.join(src, "cpp"), os.path.join(out, "cpp"),
@@ -161,11 +187,15 @@ def bundle(module, out, *, runtime_from=None, force=False, progress=print):
 def _readme(info):
     text = info["vocab"] == "bytes"
     prompt = '--text "def fib(" --steps 200' if text else "--prompt 5,9,2,33 --steps 12"
+    if info["config"] is None:   # built for another architecture: not read here
+        prompt = '--text "def fib(" --steps 200   # or, for a model of token ids: --prompt 5,9,2'
+        text = None
     return f"""# hla_tvm bundle
 
 `model.so`: a language model compiled by `hla-tvm compile` for {info['arch']} Linux, with what
 runs it on a machine that has neither TVM's compiler nor PyTorch. It
-{'generates text (byte-level vocabulary)' if text else 'generates token ids'}.
+{'generates text (byte-level vocabulary)' if text else 'generates token ids' if text is False
+ else 'generates text (--text) if its vocabulary is bytes, else token ids (--prompt)'}.
 
 ## Python (numpy and apache-tvm-ffi; no TVM package)
 
@@ -186,6 +216,6 @@ build/hla_tvm_app model.so {prompt}
 
 The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run path); copied
 elsewhere, put them beside the binary. Both programs take `--temperature T --top-k K --seed S`
-for seeded sampling (greedy by default) and print
-{'the prompt and the generated text' if text else 'the generated token ids on one line'}.
+for seeded sampling (greedy by default; the two programs' samplers draw differently) and
+print the prompt and the generated text (--text) or the generated token ids on one line.
 """

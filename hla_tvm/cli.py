@@ -35,6 +35,10 @@ def _demo(args):
 def _train(args):
     from .train import run
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     run(args.output, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, attention=args.attention, seconds=args.seconds, d_model=args.d_model,
         n_layers=args.layers, n_heads=args.heads, progress=not args.quiet)
@@ -117,6 +121,19 @@ def _model_kernels(path, target):
     if not found:
         raise ValueError(f"{path}: the model holds no HLA kernels or projections to tune")
     return found
+
+
+def _positive_float(text):
+    """argparse type: a finite number > 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return value
 
 
 def _decay(text):
@@ -206,7 +223,8 @@ def _run(args):
         on_token = None
     tokens, info = generate(m, prompt, args.tokens, temperature=args.temperature,
                             top_k=args.top_k, seed=args.seed, on_token=on_token)
-    print() if args.prompt is not None else print(" ".join(map(str, tokens)))
+    print(decode([], final=True)) if args.prompt is not None else \
+        print(" ".join(map(str, tokens)))
     rate = f"{info['decode_steps'] / info['decode_s']:.1f} tokens/s" \
         if info["decode_steps"] and info["decode_s"] > 0 else "no decode steps (--tokens 1)"
     print(f"prefill {len(prompt)} tokens: {info['prefill_s'] * 1e3:.2f} ms; decode: {rate}",
@@ -261,18 +279,24 @@ def _cache(args):
     from .build import cache_dir
 
     path = cache_dir()
-    files = sorted(os.path.relpath(os.path.join(d, f), path)
-                   for d, _, fs in os.walk(path) for f in fs) if os.path.isdir(path) else []
+    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+    def size(p):   # a file's bytes, or a folder's in all
+        if not os.path.isdir(p):
+            return os.path.getsize(p)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+
     if args.clear:
         shutil.rmtree(path, ignore_errors=True)
-        print(f"removed {len(files)} cached file(s) (kernel modules, compiled demo models, "
-              f"downloaded runtimes) from {path}")
-    elif not files:
+        print(f"removed {len(entries)} cached entr{'y' if len(entries) == 1 else 'ies'} "
+              f"(kernel modules, the demo's compiled models, downloaded runtimes) from {path}")
+    elif not entries:
         print(f"{path}: empty (kernels are compiled and cached on first use)")
     else:
         print(path)
-        for f in files:
-            print(f"  {f}  {os.path.getsize(os.path.join(path, f)) / 1e3:.0f} kB")
+        for e in entries:
+            full = os.path.join(path, e)
+            print(f"  {e}{'/' if os.path.isdir(full) else ''}  {size(full) / 1e3:.0f} kB")
     return 0
 
 
@@ -359,16 +383,19 @@ def build_parser():
     tr.add_argument("--steps", type=_positive, default=600, help="optimizer steps")
     tr.add_argument("--batch", type=_positive, default=16, help="windows per step")
     tr.add_argument("--seq-len", type=_positive, default=256, help="bytes per window")
-    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    tr.add_argument("--lr", type=_positive_float, default=3e-3,
+                    help="peak learning rate (AdamW)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     tr.add_argument("--d-model", type=_positive, default=None, help="model width (default 128)")
     tr.add_argument("--layers", type=_positive, default=None, help="blocks (default 4)")
     tr.add_argument("--heads", type=_positive, default=None, help="heads (default 2: head size 64)")
     tr.add_argument("--attention", choices=("hla", "softmax"), default="hla",
                     help="hla: the HLALM; softmax: the same-size softmax-attention baseline")
-    tr.add_argument("--seconds", type=float, default=None,
+    tr.add_argument("--seconds", type=_positive_float, default=None,
                     help="stop after this wall time (the learning rate decays over it; "
                          "not reproducible step for step)")
+    tr.add_argument("--threads", type=_positive, default=None,
+                    help="CPU threads (default: PyTorch's, one per core)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=_train)
 

@@ -38,34 +38,59 @@ def progress_line(message, stream=None):
     thread = threading.Thread(target=tick, daemon=True) if tty else None
     if thread:
         thread.start()
+    ok = False
     try:
         yield
+        ok = True
     finally:
         done.set()
         if thread:
             thread.join()
-        took = f"done in {time.perf_counter() - t0:.0f} s"
+        took = f"{'done' if ok else 'failed'} after {time.perf_counter() - t0:.0f} s"
         stream.write(f"\r{message} {took}\n" if tty else f"  {took}\n")
         stream.flush()
 
 
+def _source_digest():
+    """sha256 of every .py file of the package (what decides a compiled model's code)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
 def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
-    """The path of `model` compiled for `target`, from the cache when an earlier run built it
-    (keyed by the weights, the target, the records and the package's kernel code)."""
-    from . import __version__
-    from .build import cache_dir, code_digest
+    """(path, compiled now) of `model` compiled for `target`, from the cache when an earlier
+    run built it (keyed by the weights, the target, the records, the package's source and the
+    TVM version); a damaged cached file is compiled again."""
+    import tvm
+
+    from . import libfile
+    from .build import cache_dir
     from .compiler import compile as compile_model
     from .compiler import records_folder
     from .models.hlalm import weights_digest
+    from .runtime import MODULE_FORMAT
     from .schedule import records
 
     rec = records_folder(schedules, target)
     key = hashlib.sha256("\n".join([
-        weights_digest(model.config, model.state_dict()), str(target), __version__,
-        code_digest(), records.digest(rec) if rec else "default"]).encode()).hexdigest()[:20]
+        weights_digest(model.config, model.state_dict()), str(target), MODULE_FORMAT,
+        tvm.__version__, _source_digest(), records.digest(rec) if rec else "default"]
+    ).encode()).hexdigest()[:20]
     path = os.path.join(cache_dir(), "models", f"demo-{key}.so")
     if os.path.isfile(path):
-        return path, False
+        try:
+            libfile.check(path)
+            return path, False
+        except ValueError:
+            pass   # damaged: compiled again below
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with progress_line(f"compiling {os.path.basename(checkpoint)} for "
                        f"{target.attrs.get('mcpu') or target.kind.name} (first run only; "
@@ -82,13 +107,16 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=0.9, top_k=40, seed=0, ta
     from .generate import Eager, check_sampling, encode_text, generate, text_decoder
     from .models import HLALM
     from .runtime import load
-    from .target import resolve
+    from .target import is_host_arch, resolve, target_arch
 
     check_sampling(temperature, top_k, seed)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise ValueError(f"tokens must be an int >= 2 (one sampled from the prompt, then "
+                         f"decode steps), got {tokens!r}")
     tgt = resolve(target)   # a bad target fails before any model work
-    if tgt.kind.name != "llvm":
-        raise ValueError(f"the demo runs on this machine's CPU: target kind {tgt.kind.name!r} "
-                         "is not an llvm target")
+    if tgt.kind.name != "llvm" or not is_host_arch(target_arch(tgt)):
+        raise ValueError(f"the demo runs the model on this machine's CPU, not on {target!r}; "
+                         "for another device: hla-tvm compile --target ..., then hla-tvm bundle")
     ids = encode_text(prompt)
     model = HLALM.load(checkpoint)
     if model.config.get("vocab") != "bytes":
@@ -109,12 +137,16 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=0.9, top_k=40, seed=0, ta
 
     out, info = generate(m, ids, tokens, temperature=temperature, top_k=top_k, seed=seed,
                          on_token=show)
-    print("\n" + "-" * 72)
+    print(decode([], final=True) + "\n" + "-" * 72)
     # the same bytes through both: decode speed and logits, step by step
     seq = ids + out[:-1]
     compiled = _teacher_forced(m, seq, len(ids))
+    threads = torch.get_num_threads()
     torch.set_num_threads(m.threads)   # both on the same cores
-    eager = _teacher_forced(Eager(model), seq, len(ids))
+    try:
+        eager = _teacher_forced(Eager(model), seq, len(ids))
+    finally:
+        torch.set_num_threads(threads)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(compiled["logits"], eager["logits"]))
     scale = max(float(np.abs(b).max()) for b in eager["logits"])
     rate = {k: r["steps"] / r["decode_s"] for k, r in (("tvm", compiled), ("eager", eager))}

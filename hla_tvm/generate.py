@@ -2,9 +2,10 @@
 from `hla_tvm.runtime.load`, or `Eager`, the PyTorch model behind the same calls), and the
 byte-level text vocabulary.
 
-The sampler is the export apps' (export/python, export/cpp): greedy at temperature 0, else
-softmax(logits / temperature) over the `top_k` most likely tokens (0: all), drawn with a seeded
-generator, so a seed gives the same continuation every run."""
+The sampler: greedy at temperature 0, else softmax(logits / temperature) over the `top_k` most
+likely tokens (0: all), drawn with numpy's seeded generator, so a seed gives the same
+continuation every run. export/python draws the same way; the C++ app draws with its own
+generator (std::mt19937_64): its greedy tokens are the same, its sampled ones differ."""
 from __future__ import annotations
 
 import codecs
@@ -23,10 +24,11 @@ def encode_text(text):
 
 
 def text_decoder():
-    """An incremental UTF-8 decoder: feed(byte ids) -> the text they complete (invalid bytes
-    become U+FFFD), so a stream prints whole characters."""
+    """An incremental UTF-8 decoder: decode(byte ids, final=False) -> the text they complete
+    (invalid bytes become U+FFFD), so a stream prints whole characters; final=True flushes an
+    incomplete last character (as U+FFFD)."""
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    return lambda ids: dec.decode(bytes(ids))
+    return lambda ids, final=False: dec.decode(bytes(ids), final)
 
 
 def check_sampling(temperature, top_k, seed):

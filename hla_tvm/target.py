@@ -80,18 +80,35 @@ def resolve(target):
 CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc", "arm64": "aarch64-linux-gnu-gcc"}
 
 
-def cross_compiler(target):
-    """The C compiler command that links libraries for `target` (a resolved Target): None when
-    it is this machine's own (no mtriple, or the host's architecture); ValueError naming the
-    package to install when the cross compiler is missing."""
+def target_arch(target):
+    """The CPU architecture code for `target` (a resolved Target) runs on: its mtriple's first
+    part (its host's for a GPU target), or this machine's (`platform.machine()`) without one."""
     import platform
-    import shutil
 
     cpu = target if target.kind.name == "llvm" else target.host
     triple = str(cpu.attrs.get("mtriple", "") or "") if cpu is not None else ""
-    arch = triple.split("-")[0]
-    if not arch or arch == platform.machine() or (arch, platform.machine()) == ("x86_64", "AMD64"):
+    arch = triple.split("-")[0] or platform.machine()
+    return {"AMD64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+
+
+def is_host_arch(arch):
+    """True when code for the architecture `arch` runs on this machine."""
+    import platform
+
+    return arch == {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(),
+                                                                  platform.machine())
+
+
+def cross_compiler(target):
+    """The C compiler command that links libraries for `target` (a resolved Target): None when
+    it is this machine's own architecture (`target_arch`); ValueError naming the package to
+    install when the cross compiler is missing."""
+    import shutil
+
+    arch = target_arch(target)
+    if is_host_arch(arch):
         return None
+    triple = arch + "-linux-gnu"
     cc = CROSS_COMPILERS.get(arch)
     if cc is None:
         raise ValueError(f"no cross compiler known for {triple!r} (known: "

@@ -44,7 +44,9 @@ def stdlib_corpus(root=None):
 
 def windows(data, batch, seq_len, generator):
     """`batch` random windows of seq_len + 1 bytes from `data`: (inputs, targets) int64 [B, T]."""
-    starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=generator)
+    if data.numel() < seq_len + 2:
+        raise ValueError(f"seq_len {seq_len} needs more than {data.numel()} bytes of text")
+    starts = torch.randint(0, data.numel() - seq_len, (batch,), generator=generator)
     rows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
 
@@ -88,11 +90,12 @@ def fit(model, train, val, *, steps, batch=16, seq_len=256, lr=3e-3, warmup=30, 
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
-    hist = {"steps": [], "train_bpb": [], "val": [], "seconds": 0.0, "tokens": 0}
+    hist = {"steps": [], "train_bpb": [], "val": [], "seconds": 0.0, "tokens": 0,
+            "max_steps": steps, "seconds_budget": seconds}
     model.train()
     t0 = time.perf_counter()
-    bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True,
-               file=sys.stderr)
+    bar = tqdm(total=None if seconds is not None else steps, disable=not progress,
+               unit="step", dynamic_ncols=True, file=sys.stderr)
     for step in range(steps):
         if step % eval_every == 0:
             hist["val"].append([step, evaluate(model, val_batches)])
@@ -206,6 +209,16 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
 
     if attention not in ("hla", "softmax"):
         raise ValueError(f"attention must be 'hla' or 'softmax', got {attention!r}")
+    for name, value in (("steps", steps), ("batch", batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("lr", lr), ("seconds", seconds)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                      and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"output {out}: the folder {folder} does not exist or is not writable")
     config = dict(SHIPPED_CONFIG)
     for key, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads)):
         if value is not None:
@@ -227,8 +240,14 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
                 seq_len=seq_len, lr=lr, python=sys.version.split()[0],
                 torch=torch.__version__, threads=torch.get_num_threads())
     stem = out[:-3] if out.endswith(".pt") else out
-    if attention == "hla":
-        model.save(out)
+    if attention == "hla":   # into a temporary file, renamed over `out` once whole
+        tmp = f"{out}.{os.getpid()}.tmp"
+        try:
+            model.save(tmp)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     write_curve(hist, stem, attention)
     print(f"validation: {hist['val'][-1][1]:.3f} bits/byte after {len(hist['steps'])} steps, "
           f"{hist['seconds']:.0f} s ({hist['tokens'] / hist['seconds']:.0f} tokens/s)")

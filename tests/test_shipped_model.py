@@ -82,6 +82,13 @@ def test_demo_streams_text_and_reports_speed(shipped, capsys):
     assert "compiling" not in err   # the module of the fixture, from the cache
 
 
+def test_demo_refuses_what_it_cannot_run_before_compiling(capsys):
+    assert main(["demo", "--tokens", "1"]) == 2
+    assert "tokens must be an int >= 2" in capsys.readouterr().err
+    assert main(["demo", "--target", "aarch64"]) == 2
+    assert "runs the model on this machine's CPU" in capsys.readouterr().err
+
+
 def test_run_generates_text_reproducibly(shipped, capsys):
     _, path = shipped
     args = ["run", path, "--prompt", PROMPT, "--tokens", "40", "--temperature", "0.8",
@@ -130,6 +137,9 @@ def test_bundle_runs_without_tvm_python_and_builds_the_cpp_app(shipped, tmp_path
         assert (out / f).is_file(), f
     assert main(["bundle", path, "-o", str(out)]) == 2   # not over a non-empty folder
     assert "--force" in capsys.readouterr().err
+    assert main(["bundle", str(out / "model.so"), "-o", str(out), "--force"]) == 2
+    assert "holds the module itself" in capsys.readouterr().err
+    assert (out / "model.so").is_file()
     want = _greedy_text(path, 30)
     env = {k: v for k, v in os.environ.items() if k not in ("TVM_USE_RUNTIME_LIB",
                                                             "TVM_RUNTIME_LIB")}

@@ -91,10 +91,16 @@ def test_train_command_writes_checkpoint_curve_and_png(tmp_path, capsys):
         == "softmax"
 
 
-def test_train_refuses_heads_that_do_not_divide_the_width(tmp_path, capsys):
+def test_train_refuses_bad_arguments_before_training(tmp_path, capsys):
     assert main(["train", "-o", str(tmp_path / "m.pt"), "--d-model", "30", "--heads", "4",
                  "--steps", "1"]) == 2
     assert "--heads 4 must divide --d-model 30" in capsys.readouterr().err
+    assert main(["train", "-o", str(tmp_path / "no" / "m.pt"), "--steps", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    for flag in ("--seconds", "--lr"):
+        with pytest.raises(SystemExit):
+            main(["train", flag, "0"])
+        assert "must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_byte_vocab_config_is_checked():

@@ -1,6 +1,9 @@
-"""Tuned schedules: `hla-tvm tune` writes meta_schedule records, and the kernels compiled from
-them (trace replayed on the symbolic kernels) still equal the float64 recurrences; bad records
-folders give clear errors, never a crash."""
+"""Tuned schedules: `hla-tvm tune MODEL` writes meta_schedule records for a model's kernels and
+projections; the model compiled from them and the operator's kernels (the same kernels: records
+are found by structure) still equal the float64 model and recurrences; bad records folders give
+clear errors, never a crash. (The `--op` path shares `tune.tune` with it, run over RPC in
+test_tune_rpc.py; its option parsing is not run here.)"""
+import copy
 import json
 import os
 
@@ -19,13 +22,29 @@ from hla_tvm.target import resolve
 pytestmark = pytest.mark.xdist_group("tune_records")
 
 
+# one layer, third order, head size 8, chunk 16: its HLA kernels are the operator's at
+# dk 8, chunk 16 (the records of a model serve the operator too)
+MODEL = dict(vocab_size=40, d_model=16, n_layers=1, n_heads=2, order=3, chunk_size=16)
+
+
 @pytest.fixture(scope="module")
-def tuned_dir(tmp_path_factory):
-    """Records of third order at Dk=Dv=8, chunk 16, from a few trials."""
-    out = tmp_path_factory.mktemp("records")
-    assert main(["tune", "--op", "hla3", "--dk", "8", "--chunk-size", "16", "--trials", "4",
-                 "-o", str(out)]) == 0
-    return out
+def tuned(tmp_path_factory):
+    """(model, checkpoint, records folder): `hla-tvm tune CHECKPOINT` of a small third-order
+    model, its HLA kernels and projections from a few trials (the one tune of this file)."""
+    from hla_tvm.models import HLALM
+
+    folder = tmp_path_factory.mktemp("tuned")
+    torch.manual_seed(0)
+    model = HLALM(**MODEL).eval()
+    model.save(folder / "ck.pt")
+    out = folder / "records"
+    assert main(["tune", str(folder / "ck.pt"), "--trials", "4", "-o", str(out)]) == 0
+    return model, folder / "ck.pt", out
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tuned):
+    return tuned[2]
 
 
 def test_tune_writes_a_record_for_every_kernel(tuned_dir, capsys):
@@ -115,22 +134,16 @@ def test_records_of_another_cpu_give_a_notice(tuned_dir, tmp_path):
     records.forget()
 
 
-def test_tuned_model_compiles_with_its_records(tmp_path, capsys):
-    """hla-tvm tune CHECKPOINT tunes the model's HLA kernels and projections;
-    hla_tvm.compile(schedules=PATH) schedules them from those records, says so in the module's metadata (`hla-tvm run
+def test_tuned_model_compiles_with_its_records(tuned, tmp_path, capsys):
+    """hla_tvm.compile(schedules=PATH) schedules the model's HLA kernels and projections from
+    the records `hla-tvm tune CHECKPOINT` wrote, says so in the module's metadata (`hla-tvm run
     --info`), and still equals the float64 model."""
     import numpy as np
 
     from hla_tvm.compiler import compile as compile_model
-    from hla_tvm.models import HLALM
     from hla_tvm.runtime import load
 
-    torch.manual_seed(0)
-    model = HLALM(40, 16, 1, 2, order=3, n_kv_heads=1, chunk_size=16).eval()
-    model.save(tmp_path / "ck.pt")
-    out = tmp_path / "records"
-    assert main(["tune", str(tmp_path / "ck.pt"), "--trials", "3", "-o", str(out)]) == 0
-    assert "kernels of " + str(tmp_path / "ck.pt") in capsys.readouterr().out
+    model, _, out = tuned
     path = compile_model(model, out=tmp_path / "m.so", schedules=str(out))
     m = load(path)
     used = m.meta["schedules"]
@@ -141,11 +154,11 @@ def test_tuned_model_compiles_with_its_records(tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, 40, (2, 37))
     logits, state = m.prefill(tokens, m.init_state(2))
     with torch.no_grad():
-        ref, ref_state = model.double()(torch.as_tensor(tokens))
+        ref, ref_state = copy.deepcopy(model).double()(torch.as_tensor(tokens))
     assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
     logits, _ = m.decode(tokens[:, 0], state)
     with torch.no_grad():
-        ref, _ = model(torch.as_tensor(tokens[:, :1]), ref_state)
+        ref, _ = copy.deepcopy(model).double()(torch.as_tensor(tokens[:, :1]), ref_state)
     assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
     assert main(["run", str(path), "--info"]) == 0
     out = capsys.readouterr().out

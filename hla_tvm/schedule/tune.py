@@ -304,11 +304,13 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
         except KeyboardInterrupt:
             log(f"stopped: keeping the trials so far; run the same command with -o {out} "
                 "to resume")
-        except RuntimeError as err:   # seen: a work folder left by a run killed mid-write
-            first = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-            raise ValueError(f"meta_schedule failed on the trials in {work} ({first}); if an "
-                             f"earlier tune was killed while writing there, delete {work} and "
-                             "tune again") from None
+        except RuntimeError as err:
+            # seen: the trials of a run killed mid-write, which the database cannot replay
+            if "old_outputs.size() == new_outputs.size()" not in str(err):
+                raise
+            raise ValueError(f"meta_schedule cannot replay the trials in {work} (a record "
+                             "does not fit its kernel); if an earlier tune was killed while "
+                             f"writing there, delete {work} and tune again") from None
     db = ms.database.JSONDatabase(work_dir=work)
     final = ms.database.JSONDatabase(*(os.path.join(out, f) for f in records.FILES))
     report = {}
