@@ -71,6 +71,32 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
     return build.load_or_build(spec, make, target)
 
 
+_FITS: dict = {}
+
+
+def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
+    """The chunk size `chain`'s kernels run with on a CUDA `target`: `chunk`, or the largest
+    half of it whose kernels fit the architecture's shared memory (`schedule.cuda.limits`;
+    the chunked form's outputs do not depend on the chunk size). Remembered per process."""
+    from .schedule import cuda
+    from .schedule.cuda.limits import check, fitting_chunk
+
+    key = (chain.family, dk, dv, str(target), chunk, group, tuple(sorted(opts.items())))
+    if key not in _FITS:
+        def fits(n):
+            try:
+                for name, (func, shapes) in tuning_kernels(chain, dk, dv, chunk=n, group=group,
+                                                           **opts).items():
+                    check(cuda.scheduled(func.with_attr("global_symbol", name)), shapes, target,
+                          name)
+            except ValueError:
+                return False
+            return True
+
+        _FITS[key] = fitting_chunk(fits, chunk)
+    return _FITS[key]
+
+
 def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
     """`tuning_kernels` of operator `op`'s prefill and decode chains (an `operators.Operator`;
     opts: its `options`, dtype a torch dtype)."""

@@ -62,16 +62,18 @@ TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tun
 
 
 def schedule_module(mod, target):
-    """Apply the default schedule of the target's kind to every function of `mod` that is not
-    scheduled from a tuned record already."""
+    """Apply the default schedule of the target's kind (`schedule.cpu` for llvm,
+    `schedule.cuda` for cuda) to every function of `mod` that is not scheduled from a tuned
+    record already."""
     import tvm
 
-    from .schedule import cpu
+    from .schedule import cpu, cuda
 
-    if target.kind.name != "llvm":
+    rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)
+    if rules is None:
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
     return tvm.IRModule({gv: mod[gv] if mod[gv].attrs and TUNED in mod[gv].attrs
-                         else cpu.scheduled(mod[gv], target) for gv in mod.get_global_vars()})
+                         else rules(mod[gv], target) for gv in mod.get_global_vars()})
 
 
 def load_or_build(spec: dict, make_funcs, target):

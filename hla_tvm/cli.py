@@ -39,9 +39,12 @@ def _train(args):
         import torch
 
         torch.set_num_threads(args.threads)
+    shape = {key: getattr(args, name) for key, name in (
+        ("d_model", "d_model"), ("n_layers", "layers"), ("n_heads", "heads"),
+        ("decay", "decay")) if hasattr(args, name)}
     run(args.output, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-        seed=args.seed, attention=args.attention, seconds=args.seconds, d_model=args.d_model,
-        n_layers=args.layers, n_heads=args.heads, progress=not args.quiet)
+        seed=args.seed, attention=args.attention, seconds=args.seconds,
+        progress=not args.quiet, **shape)
     return 0
 
 
@@ -145,6 +148,15 @@ def _decay(text):
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
     return value
+
+
+def _decays(text):
+    """argparse type: "none", or decay factors in (0, 1] separated by commas (a float or a
+    list of them)."""
+    if text.strip().lower() == "none":
+        return None
+    values = [_decay(part) for part in text.split(",")]
+    return values[0] if len(values) == 1 else values
 
 
 def _compile(args):
@@ -386,9 +398,16 @@ def build_parser():
     tr.add_argument("--lr", type=_positive_float, default=3e-3,
                     help="peak learning rate (AdamW)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
-    tr.add_argument("--d-model", type=_positive, default=None, help="model width (default 128)")
-    tr.add_argument("--layers", type=_positive, default=None, help="blocks (default 4)")
-    tr.add_argument("--heads", type=_positive, default=None, help="heads (default 2: head size 64)")
+    tr.add_argument("--d-model", type=_positive, default=argparse.SUPPRESS,
+                    help="model width (default: 128, the shipped model's)")
+    tr.add_argument("--layers", type=_positive, default=argparse.SUPPRESS,
+                    help="blocks (default: 4)")
+    tr.add_argument("--heads", type=_positive, default=argparse.SUPPRESS,
+                    help="heads (default: 2, head size 64)")
+    tr.add_argument("--decay", type=_decays, default=argparse.SUPPRESS, metavar="G[,G...]",
+                    help="HLA's per-token decay, one value in (0, 1] for every head or one per "
+                         "head, or 'none' (default: 0.8,0.98, the shipped model's: without "
+                         "decay a byte-level HLALM learns far slower)")
     tr.add_argument("--attention", choices=("hla", "softmax"), default="hla",
                     help="hla: the HLALM; softmax: the same-size softmax-attention baseline")
     tr.add_argument("--seconds", type=_positive_float, default=None,

@@ -13,9 +13,17 @@ PRESETS = {
     # 64-bit Arm Linux with NEON (Raspberry Pi 4/5, Jetson, Graviton); cross-linked with
     # aarch64-linux-gnu-gcc
     "aarch64": {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]},
-    # NVIDIA GPUs from Ampere on (compiling models for it comes with the CUDA work)
+    # NVIDIA GPUs from Ampere on (A100; "sm_90" in a dict for H100/H200)
     "cuda": {"kind": "cuda", "arch": "sm_80"},
 }
+
+# per CUDA architecture: the most shared memory one thread block may use (bytes, with the
+# dynamic shared memory opt-in, which TVM's CUDA runtime makes); every one has 1024 threads per
+# block, 64 K registers per block and warps of 32
+CUDA_SHARED_MEMORY = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
+                      "sm_90": 232448, "sm_90a": 232448, "sm_100": 232448, "sm_120": 101376}
+CUDA_LIMITS = {"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_warp_size": 32,
+               "registers_per_block": 65536}
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +75,8 @@ def resolve(target):
     else:
         raise TypeError(f"target must be None, a string, a dict or a tvm.target.Target, "
                         f"got {type(target).__name__}")
+    if tgt.kind.name == "cuda":
+        tgt = _with_cuda_limits(tgt, target)
     if tgt.kind.name == "llvm":
         mcpu = str(tgt.attrs.get("mcpu", "") or "")
         triple = str(tgt.attrs.get("mtriple", "") or "") or \
@@ -75,6 +85,27 @@ def resolve(target):
             raise ValueError(f"target={target!r}: LLVM does not know the CPU {mcpu!r} for "
                              f"{triple}")
     return tgt
+
+
+def _with_cuda_limits(tgt, given):
+    """A CUDA target with its architecture's limits (`CUDA_SHARED_MEMORY`, `CUDA_LIMITS`)
+    where it does not state them, as TVM would otherwise ask a GPU this machine may not have;
+    ValueError for an architecture without a known limit."""
+    import tvm
+
+    arch = str(tgt.attrs.get("arch", "") or "")
+    if arch not in CUDA_SHARED_MEMORY:
+        raise ValueError(f"target={given!r}: give a CUDA architecture, one of "
+                         f"{', '.join(CUDA_SHARED_MEMORY)} (e.g. {{'kind': 'cuda', 'arch': "
+                         f"'sm_90'}}), got {arch or 'none'}")
+    config = dict(tgt.export())
+    wanted = {"max_shared_memory_per_block": CUDA_SHARED_MEMORY[arch], **CUDA_LIMITS}
+    missing = {k: v for k, v in wanted.items() if config.get(k) in (None, 0, -1)}
+    if not missing:
+        return tgt
+    config.update(missing)
+    config.pop("tag", None)
+    return tvm.target.Target({k: v for k, v in config.items() if v not in (None, "")})
 
 
 CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc", "arm64": "aarch64-linux-gnu-gcc"}

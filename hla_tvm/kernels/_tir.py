@@ -233,24 +233,24 @@ def vecmat(y, x, X, b, h, rows, cols, name):
 
 
 @T.macro
-def vecdot(y, x, X, b, h, rows, init, name):
-    """y[0] = init + sum_i x[i] X[b, h, i]."""
+def vecdot(y, x, X, b, h, rows, name):
+    """y[0] = sum_i x[i] X[b, h, i] (a plain sum, so that a GPU sums it across threads)."""
     for i in T.serial(rows):
         with T.sblock(name):
             vb, vh, vi = T.axis.remap("SSR", [b, h, i])
             with T.init():
-                y[0] = init
+                y[0] = const(0, y.dtype)
             y[0] = y[0] + x[vi] * X[vb, vh, vi]
 
 
 @T.macro
-def write_token(o, num, den, b, h, dv, normalize):
-    """o[b, h, 0] = num (/ den[0] when normalize) in o's dtype."""
+def write_token(o, num, den, b, h, dv, normalize, eps):
+    """o[b, h, 0] = num (/ (den[0] + eps) when normalize) in o's dtype."""
     for j in T.serial(dv):
         with T.sblock("o"):
             vb, vh, vj = T.axis.remap("SSS", [b, h, j])
             if normalize:
-                o[vb, vh, 0, vj] = T.Cast(o.dtype, num[vj] / den[0])
+                o[vb, vh, 0, vj] = T.Cast(o.dtype, num[vj] / (den[0] + const(eps, den.dtype)))
             else:
                 o[vb, vh, 0, vj] = T.Cast(o.dtype, num[vj])
 
@@ -267,12 +267,12 @@ def cross_step(P, m, E, n, g, qa, ka, va, x, o, b, h, dk, dv, eps, normalize):
     update_outer(P, g, ka, va, b, h, dk, dv, "P")
     vecmat(qP, qa, P, b, h, dk, dv, "qP")
     update_axpy(m, g, ka, const(1, P.dtype), b, h, dk, "m")
-    vecdot(qm, qa, m, b, h, dk, const(0, P.dtype), "qm")
+    vecdot(qm, qa, m, b, h, dk, "qm")
     update_outer(E, g, x, qP, b, h, dk, dv, "E")
     vecmat(num, qa, E, b, h, dk, dv, "num")
     update_axpy(n, g, x, qm[0], b, h, dk, "n")
-    vecdot(den, qa, n, b, h, dk, const(eps, P.dtype), "den")
-    write_token(o, num, den, b, h, dv, normalize)
+    vecdot(den, qa, n, b, h, dk, "den")
+    write_token(o, num, den, b, h, dv, normalize, eps)
 
 
 @T.macro

@@ -68,7 +68,7 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             den = T.alloc_buffer((1,), acc)
             _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
             _vecmat(kC, ka, C, b, h, dk, dv, "kC")
-            _vecdot(km, ka, m, b, h, dk, _c(0), "km")
+            _vecdot(km, ka, m, b, h, dk, "km")
             _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
             _update_outer(C, g, qa, va, b, h, dk, dv, "C")
             _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
@@ -88,12 +88,12 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
                     num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
                         - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
             for i in T.serial(dk):
-                with T.sblock("den"):   # u.m - q.h + eps
+                with T.sblock("den"):   # u.m - q.h (eps added by _write_token)
                     vb, vh, vi = T.axis.remap("SSR", [b, h, i])
                     with T.init():
-                        den[0] = _c(eps)
+                        den[0] = _c(0)
                     den[0] = den[0] + u[vi] * m[vb, vh, vi] - _c(mk) * qa[vi] * h_[vb, vh, vi]
-            _write_token(o, num, den, b, h, dv, normalize)
+            _write_token(o, num, den, b, h, dv, normalize, eps)
 
     return hla2d_decode
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tvm
 
-from .common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, \
+from ..common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, \
     writes_alone
 
 # accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the

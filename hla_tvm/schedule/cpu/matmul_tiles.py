@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
+from ..common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
 
 MODEL_MATMUL = "hla_tvm.matmul_tiles"   # attribute of a model projection tuned with this rule
 ROW_COLS = (64, 32, 16, 8)  # one row (a decode step): wide column tiles stream W rows

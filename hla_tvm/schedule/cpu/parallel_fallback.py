@@ -12,7 +12,7 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from .common import COMM_REDUCE, DATA_PAR, inline_elementwise, static_extent
+from ..common import COMM_REDUCE, DATA_PAR, inline_elementwise, static_extent
 
 VECTOR = 16
 ROW = 64

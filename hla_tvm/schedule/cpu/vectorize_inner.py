@@ -5,7 +5,7 @@ a row sum, a GEMM `chunk_gemm` left alone) has its reduction loops moved outside
 data-parallel loop, which is vectorized, and its init split off in front of them."""
 from tvm.tirx import ForKind
 
-from .common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, writes_alone
+from ..common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, writes_alone
 
 
 def vectorize_inner(sch, func_name):

@@ -1,0 +1,59 @@
+"""CUDA device code of compiled modules: the source TVM generates and its build with nvcc.
+
+TVM 0.27 keeps a CUDA module as CUDA C++ source and compiles it when the module is first loaded
+on a GPU (through the `tvm_callback_cuda_compile` hook, which `tvm.support.nvcc` provides).
+Building the same source here with nvcc proves the device code compiles for each architecture
+before any GPU sees it, and gives the binaries a runtime-only machine can load."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+
+def cuda_source(executable):
+    """The CUDA C++ source of the device kernels in a `tvm.compile` result (or a loaded
+    module); ValueError when it holds no CUDA module."""
+    mod = getattr(executable, "mod", executable)
+    for imp in mod.imports:
+        if imp.kind == "cuda":
+            return imp.inspect_source()
+    raise ValueError("the module holds no CUDA device code")
+
+
+def nvcc():
+    """The nvcc command, or None when it is not installed ($CUDA_HOME/bin or PATH)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def compile_cuda(source, archs, fmt="fatbin"):
+    """Device code for `archs` (e.g. ["sm_80", "sm_90"]) built from CUDA `source` with nvcc -O3:
+    fmt "fatbin" (one binary per architecture plus PTX of the newest, for later GPUs) or
+    "cubin" (one architecture). ValueError when nvcc is missing or fails (its message)."""
+    cmd = nvcc()
+    if cmd is None:
+        raise ValueError("building CUDA device code needs nvcc (the CUDA toolkit); set CUDA_HOME "
+                         "or put nvcc on PATH")
+    archs = [archs] if isinstance(archs, str) else list(archs)
+    if fmt == "cubin" and len(archs) != 1:
+        raise ValueError(f"a cubin holds one architecture, got {archs}")
+    if fmt not in ("cubin", "fatbin"):
+        raise ValueError(f"fmt must be 'cubin' or 'fatbin', got {fmt!r}")
+    flags = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    if fmt == "fatbin":
+        newest = max(archs, key=lambda a: int("".join(c for c in a[3:] if c.isdigit())))
+        flags.append(f"-gencode=arch=compute_{newest[3:]},code=compute_{newest[3:]}")
+    with tempfile.TemporaryDirectory(prefix="hla_tvm_nvcc_") as tmp:
+        src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, f"kernels.{fmt}")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(source)
+        run = subprocess.run([cmd, f"--{fmt}", "-O3", "-w", *flags, "-o", out, src],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            raise ValueError(f"nvcc failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+        with open(out, "rb") as f:
+            return f.read()

@@ -1,0 +1,151 @@
+"""Helpers the schedule rules of every target share (not rules themselves)."""
+from __future__ import annotations
+
+from tvm import tirx
+
+DATA_PAR, COMM_REDUCE = 0, 2   # IterVar kinds: data parallel, commutative reduction
+
+
+def static_extent(sch, loop):
+    """The loop's extent as an int, None when it is symbolic."""
+    ext = sch.get(loop).extent
+    return int(ext.value) if hasattr(ext, "value") else None
+
+
+def is_elementwise(sch, block):
+    """True when every iterator of `block` is data parallel."""
+    return all(iv.iter_type == DATA_PAR for iv in sch.get(block).iter_vars)
+
+
+def inline_elementwise(sch, blocks, *, reverse=False):
+    """Inline the element-wise `blocks` wherever the schedule allows: into their consumers
+    (compute_inline), and with `reverse` also into their producer (reverse_compute_inline),
+    until no more can go. Returns the blocks left."""
+    prims = (sch.compute_inline, sch.reverse_compute_inline) if reverse else (sch.compute_inline,)
+    left = [b for b in blocks if is_elementwise(sch, b)]
+    progress = True
+    while progress and left:
+        progress = False
+        for block in list(left):
+            for prim in prims:
+                try:
+                    prim(block)
+                except Exception:  # noqa: BLE001 - an output, or not inlinable this way
+                    continue
+                left.remove(block)
+                progress = True
+                break
+    return left
+
+
+def loop_iter_types(sch, block, loops):
+    """For each of `loops`, the type (DATA_PAR, COMM_REDUCE, ...) of the one iterator of `block`
+    whose binding uses that loop's variable; None when no iterator or several do. (An in-place
+    update's unit reduction axis is bound to no loop, so it never shows up here.)"""
+    from tvm.tirx.analysis import undefined_vars
+    from tvm_ffi import get_global_func
+
+    realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
+    iters = realize.block.iter_vars
+    types = []
+    for loop in loops:
+        var = sch.get(loop).loop_var
+        hits = [iv.iter_type for iv, value in zip(iters, realize.iter_values)
+                if any(u.same_as(var) for u in undefined_vars(value))]
+        types.append(hits[0] if len(hits) == 1 else None)
+    return types
+
+
+def own_loops(sch, block):
+    """The loops that enclose `block` and no other block (innermost last)."""
+    own = []
+    for loop in reversed(sch.get_loops(block)):
+        if len(sch.get_child_blocks(loop)) != 1:
+            break
+        own.append(loop)
+    return own[::-1]
+
+
+def writes_alone(sch, block):
+    """True when no other block under the root writes the buffers `block` writes (a reduction's
+    init can then be split off)."""
+    me = sch.get(block)
+    mine = [r.source for r in me.writes]
+    for other in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(other).same_as(me):
+            continue
+        if any(r.source.same_as(b) for r in sch.get(other).writes for b in mine):
+            return False
+    return True
+
+
+def outer_chain(sch):
+    """The loops from the root down while each one's body is a single loop (batch, head, ...)."""
+    root = sch.get(sch.get_sblock("root"))
+    chain = []
+    stmt = root.body
+    while isinstance(stmt, tirx.For):
+        chain.append(stmt)
+        stmt = stmt.body
+    return chain
+
+
+def _allocated(stmt, out):
+    """Collect into `out` the buffers allocated in `stmt` (AllocBuffer statements and blocks'
+    alloc_buffers): scratch of the function, private to the iteration that holds it."""
+    if isinstance(stmt, tirx.AllocBuffer):
+        out.append(stmt.buffer)
+    block = getattr(stmt, "block", None)   # a block realize: look into its block
+    if block is not None:
+        stmt = block
+    out.extend(getattr(stmt, "alloc_buffers", None) or ())
+    for name in ("body", "then_case", "else_case"):
+        child = getattr(stmt, name, None)
+        if isinstance(child, tirx.Stmt):
+            _allocated(child, out)
+    for child in getattr(stmt, "seq", None) or ():
+        _allocated(child, out)
+    return out
+
+
+def _indexes_writes(sch, block, loop, scratch):
+    """True when the iterator of `block` bound to `loop` appears in the indices of every region
+    the block writes, `scratch` buffers aside: distinct iterations of the loop then write
+    distinct elements. (The buffers a function allocates, `scratch`, are placed inside the loop
+    when lowered, one per iteration.)"""
+    from tvm.tirx.analysis import undefined_vars
+    from tvm_ffi import get_global_func
+
+    realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
+    var = sch.get(loop).loop_var
+    mine = [iv.var for iv, value in zip(realize.block.iter_vars, realize.iter_values)
+            if any(u.same_as(var) for u in undefined_vars(value))]
+    for region in realize.block.writes:
+        if any(region.source.same_as(b) for b in scratch):
+            continue
+        used = [u for r in region.region for u in undefined_vars(r.min)]
+        if not any(u.same_as(v) for u in used for v in mine):
+            return False
+    return True
+
+
+def independent_outer_loops(sch):
+    """The outer loop chain of the function (`outer_chain`) down to the first loop that some
+    block binds to a non-data-parallel iterator or to one its writes do not depend on (a
+    sequential scan over chunks, an in-place state update): the loops whose iterations may run
+    at once, each on elements of its own."""
+    chain = outer_chain(sch)
+    if not chain:
+        return []
+    scratch = _allocated(sch.get(sch.get_sblock("root")), [])
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    loops = sch.get_loops(blocks[0])[: len(chain)]
+    keep = len(loops)
+    for block in blocks:
+        kinds = loop_iter_types(sch, block, loops)
+        for i, (loop, kind) in enumerate(zip(loops, kinds)):
+            if i >= keep:
+                break
+            if kind != DATA_PAR or not _indexes_writes(sch, block, loop, scratch):
+                keep = i
+    return loops[:keep]

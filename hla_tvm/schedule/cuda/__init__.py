@@ -1,0 +1,66 @@
+"""Default CUDA schedule rules for the HLA kernels, one per module; `scheduled` runs them in
+order on one PrimFunc:
+
+    shared_scratch.hoist     scratch allocated in loop bodies declared on the root block
+    inline_scratch           element-wise stages of scratch alone computed where they are read
+    block_per_outer          independent outer loops (batch, head[, chunk]) -> blockIdx.x
+    shared_scratch           scratch in the thread block's shared memory
+    thread_stages            each stage's output elements over THREADS threads, sums in registers
+    stage_syncs              barriers between stages of kernels updating their state in place
+
+The other functions of a compiled model get TVM's GPU defaults (`dlight`)."""
+from __future__ import annotations
+
+import threading
+
+from .block_per_outer import block_per_outer
+from .inline_scratch import inline_scratch
+from .shared_scratch import hoist, shared_scratch
+from .stage_syncs import updates_in_place, with_syncs
+from .thread_stages import stage_threads, thread_stages
+
+THREADS = 128   # threads per block: four warps
+
+
+def schedule(func):
+    """`func` (an HLA kernel PrimFunc) with every default CUDA rule applied."""
+    import tvm
+    from tvm import s_tir
+
+    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
+    sch = s_tir.Schedule(tvm.IRModule({"main": hoist(func.with_attr("global_symbol", "main"))}))
+    in_place = updates_in_place(sch.mod["main"])
+    if not in_place:
+        inline_scratch(sch, "main")
+    block_per_outer(sch, "main")
+    shared_scratch(sch, "main")
+    threads = stage_threads(sch, THREADS) if in_place else THREADS
+    thread_stages(sch, "main", threads, registers=not in_place)
+    out = sch.mod["main"]
+    if in_place:
+        out = with_syncs(out)
+    return out if name is None else out.with_attr("global_symbol", name)
+
+
+_SCHEDULED: dict = {}
+_LOCK = threading.Lock()
+
+
+def scheduled(func, target=None):
+    """`schedule(func)`, remembered per process for structurally equal kernels (the schedule
+    does not depend on the GPU's architecture)."""
+    import tvm_ffi
+
+    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
+    plain = func.with_attr("global_symbol", "main")
+    key = tvm_ffi.structural_hash(plain)
+    with _LOCK:
+        hits = _SCHEDULED.get(key, ())
+    for before, after in hits:
+        if tvm_ffi.structural_equal(before, plain):
+            break
+    else:
+        before, after = plain, schedule(plain)
+        with _LOCK:
+            _SCHEDULED[key] = _SCHEDULED.get(key, ()) + ((before, after),)
+    return after if name is None else after.with_attr("global_symbol", name)

@@ -1,0 +1,83 @@
+"""Checking scheduled kernels against a GPU's limits (threads per block, shared memory), on the
+code TVM really generates: the function right before it is split into host and device parts,
+its symbolic sizes fixed to a concrete call's."""
+from __future__ import annotations
+
+import math
+
+
+def _lowered(func, target):
+    """The PrimFunc `func` becomes in TVM's pipeline for `target` just before SplitHostDevice
+    (barriers inserted, shared memory merged)."""
+    import tvm
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class _Grab:
+        def run_before_pass(self, mod, info):
+            if info.name.endswith("SplitHostDevice") and not seen:
+                seen.extend(mod.functions.values())
+
+    with tvm.transform.PassContext(instruments=[_Grab()]):
+        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                    target=target)
+    return seen[0]
+
+
+def shared_bytes(func):
+    """Bytes of shared memory the lowered `func` allocates (static and dynamic)."""
+    from .stage_syncs import _walk
+
+    total = []
+
+    def visit(node):
+        buf = getattr(node, "buffer", None)
+        if type(node).__name__ == "AllocBuffer" and buf is not None and \
+                buf.scope().startswith("shared"):
+            n = math.prod(int(x) for x in buf.shape)
+            total.append(n * tvm_bytes(buf.dtype))
+
+    _walk(func.body, visit)
+    return sum(total)
+
+
+def tvm_bytes(dtype):
+    import tvm
+
+    t = tvm.DataType(str(dtype))
+    return t.bits * t.lanes // 8
+
+
+def check(func, shapes, target, name="kernel"):
+    """Lower the scheduled `func` specialized to `shapes` (one (shape, dtype) per argument) for
+    `target` and verify it within the target's limits (`tvm.s_tir.analysis.verify_gpu_code`).
+    Returns the shared memory bytes it uses; ValueError naming the kernel and the limits when it
+    does not fit."""
+    from tvm import s_tir
+
+    from ..records import specialize
+
+    lowered = _lowered(specialize(func, shapes), target)
+    limits = {"max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"]),
+              "max_threads_per_block": int(target.attrs["max_threads_per_block"]),
+              "max_vthread": 8, "max_vector_bytes": 16}
+    used = shared_bytes(lowered)
+    if not s_tir.analysis.verify_gpu_code(lowered, limits):
+        raise ValueError(f"{name}: the CUDA schedule exceeds {target.attrs['arch']}'s limits "
+                         f"({used} bytes of shared memory; limits {limits})")
+    return used
+
+
+def fitting_chunk(fits, chunk):
+    """The largest chunk size among `chunk`, chunk / 2, ... (down to 16) for which `fits(n)` is
+    true: a chunk kernel holds a few n x n and n x D tiles in shared memory, and the chunked
+    form gives the same outputs for any chunk size. ValueError when none fits."""
+    n = chunk
+    while True:
+        if fits(n):
+            return n
+        if n <= 16 or n % 2:
+            raise ValueError(f"no chunk size from {chunk} down to {n} fits the GPU's shared "
+                             "memory for these head sizes")
+        n //= 2

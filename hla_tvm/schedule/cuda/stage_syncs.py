@@ -1,0 +1,80 @@
+"""Rule: a barrier between the stages of a kernel that updates device memory in place.
+
+TVM inserts barriers for shared memory only. A decode, carry or scan kernel also writes its
+state (a kernel argument, in global memory) and reads it back in later stages, where a thread
+may read elements another thread wrote (q^T P after P's update). Such kernels get
+__syncthreads() between consecutive stages under the thread-block loop and at the end of each
+sequential loop over stages (the chunk loop), which orders global as well as shared memory
+within the thread block. Kernels that write their arguments only once need none."""
+from __future__ import annotations
+
+
+def updates_in_place(func):
+    """True when a block of `func` reads a buffer that another block writes, the buffers it
+    allocates aside: a kernel argument updated in place and read back."""
+    from tvm import s_tir
+
+    scratch, blocks = set(), []
+
+    def visit(node):
+        if isinstance(node, s_tir.SBlock):
+            scratch.update(b.name for b in node.alloc_buffers)
+            blocks.append(({r.source.name for r in node.reads},
+                           {w.source.name for w in node.writes}))
+
+    _walk(func.body, visit)
+    written = {name for _, writes in blocks for name in writes} - scratch
+    return any((reads - writes) & written for reads, writes in blocks)
+
+
+def _walk(stmt, visit):
+    """Call visit on every statement under `stmt` (the node kinds kernels hold)."""
+    visit(stmt)
+    for name in ("block", "body", "then_case", "else_case", "init"):
+        child = getattr(stmt, name, None)
+        if child is not None and not isinstance(child, (str, int)):
+            _walk(child, visit)
+    for child in getattr(stmt, "seq", None) or ():
+        _walk(child, visit)
+
+
+def _sync():
+    import tvm
+
+    return tvm.tirx.Evaluate(tvm.tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+
+def with_syncs(func):
+    """`func` (scheduled: outer loops on blockIdx, stages on threadIdx) with the barriers of
+    the module docstring."""
+    from tvm import s_tir, tirx
+
+    def rebuild(stmt, in_block):
+        if isinstance(stmt, s_tir.SBlockRealize):
+            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate,
+                                       rebuild(stmt.block, in_block))
+        if isinstance(stmt, s_tir.SBlock):
+            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
+                                rebuild(stmt.body, in_block), stmt.init, stmt.alloc_buffers,
+                                stmt.match_buffers, stmt.annotations)
+        if isinstance(stmt, tirx.For):
+            tag = stmt.thread_binding.thread_tag if stmt.thread_binding is not None else ""
+            if tag.startswith("threadIdx"):
+                return stmt   # inside a stage
+            inner = in_block or tag.startswith("blockIdx")
+            body = rebuild(stmt.body, inner)
+            if inner and not tag and isinstance(stmt.body, tirx.SeqStmt):
+                body = tirx.SeqStmt(list(body.seq) + [_sync()])   # loop-carried
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body,
+                            stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            parts = [rebuild(s, in_block) for s in stmt.seq]
+            if not in_block:
+                return tirx.SeqStmt(parts)
+            out = [parts[0]]
+            for part in parts[1:]:
+                out += [_sync(), part]
+            return tirx.SeqStmt(out)
+        return stmt
+
+    return func.with_body(rebuild(func.body, False))

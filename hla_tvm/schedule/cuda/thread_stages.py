@@ -1,0 +1,60 @@
+"""Rule: the threads of a block share out each stage's output elements.
+
+Every block (stage) under the thread-block loop has its data-parallel loops fused and split
+over the block's threads (threadIdx.x), a predicate masking the tail; its reduction loops run
+inside, each thread summing its own elements in registers ("local"), written back once (with
+`registers`: a kernel updating its state in place is no stage pipeline, where TVM cannot place
+the register tile; its sums go to their buffer directly, and `stage_threads` picks a thread
+count that needs no predicate there). Every stage uses the same split, so an element written
+by a stage and re-read by a later one at the same index stays with its thread.
+
+A stage computing one value into a register (`shared_scratch.hoist`: a dot product) is left
+to every thread; a stage writing one value elsewhere runs on thread 0."""
+from __future__ import annotations
+
+import math
+
+from ..common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, \
+    writes_alone
+
+
+def _spatial_reduce(sch, block):
+    loops = own_loops(sch, block)
+    kinds = loop_iter_types(sch, block, loops)
+    return ([lp for lp, k in zip(loops, kinds) if k == DATA_PAR],
+            [lp for lp, k in zip(loops, kinds) if k == COMM_REDUCE])
+
+
+def stage_threads(sch, most):
+    """Threads per block for a kernel updating its state in place: the largest count up to
+    `most` that divides every stage's number of output elements, so that no stage runs under a
+    predicate (TVM cannot place the barriers a sum into shared memory needs under one)."""
+    sizes = []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        spatial, _ = _spatial_reduce(sch, block)
+        extents = [static_extent(sch, lp) for lp in spatial]
+        if spatial and all(extents):
+            sizes.append(math.prod(extents))
+    count = math.gcd(*sizes) if sizes else most
+    return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
+
+
+def thread_stages(sch, func_name, threads, registers=True):
+    root = sch.get(sch.get_sblock("root"))
+    scratch = list(root.alloc_buffers)
+    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+        spatial, reduce_ = _spatial_reduce(sch, block)
+        writes = sch.get(block).writes
+        if not spatial and all(w.source.scope() == "local" and
+                               any(w.source.same_as(b) for b in scratch) for w in writes):
+            continue   # one value in a register of every thread: each computes it itself
+        if reduce_:
+            sch.reorder(*spatial, *reduce_)
+        fused = (sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]) if spatial else \
+            sch.add_unit_loop(block)
+        _, inner = sch.split(fused, [None, threads])
+        sch.bind(inner, "threadIdx.x")
+        if registers and reduce_ and sch.get(block).init is not None and \
+                writes_alone(sch, block):
+            acc = sch.cache_write(block, 0, "local")
+            sch.reverse_compute_at(acc, inner)

@@ -1,0 +1,96 @@
+"""CUDA without a GPU: every HLA kernel, scheduled by the default CUDA rules, fits sm_80's and
+sm_90's limits as TVM lowers it, and its generated source builds to device code with nvcc.
+(Running them needs a GPU: `benchmarks/gpu_check.py` on a lent one.)"""
+import concurrent.futures
+
+import pytest
+
+from hla_tvm import backend
+from hla_tvm.build import schedule_module
+from hla_tvm.device_code import compile_cuda, cuda_source, nvcc
+from hla_tvm.kernels import chains
+from hla_tvm.schedule import cuda
+from hla_tvm.schedule.cuda.limits import check
+from hla_tvm.target import CUDA_SHARED_MEMORY, resolve
+
+FAMILIES = ("hla2", "hla2d", "ahla", "hla3")
+
+
+def _opts(fam, dtype="float32", normalize=False):
+    opts = dict(normalize=normalize, eps=1e-6, dtype=dtype)
+    if fam.startswith("hla2"):
+        opts.update(masked=True, ridge=0.0)
+    return opts
+
+
+def _chains(fam):
+    yield chains.prefill(fam)
+    if fam != "hla2":   # second order decodes with hla2d's kernel
+        yield chains.decode(fam)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_fits_the_architecture(arch):
+    target = resolve({"kind": "cuda", "arch": arch})
+    for fam in FAMILIES:
+        for chain in _chains(fam):
+            if chain.calls[0].kernel == "decode":
+                for name, (func, shapes) in backend.tuning_kernels(chain, 64, 64,
+                                                                   **_opts(fam)).items():
+                    check(cuda.scheduled(func), shapes, target, name)
+                continue
+            # every kernel of the chain is checked at the chunk size chosen
+            chunk = backend.gpu_chunk(chain, 64, 64, target, chunk=64, **_opts(fam))
+            assert chunk == 64 if arch == "sm_90" else chunk in (32, 64), (fam, chunk)
+    # a chunk kernel keeps its tiles in shared memory: q, k, v and the products, within limits
+    func, shapes = backend.tuning_kernels(chains.prefill("hla2"), 64, 64, chunk=64,
+                                          **_opts("hla2"))["hla2_chunk_output"]
+    used = check(cuda.scheduled(func), shapes, target)
+    assert 3 * 64 * 64 * 4 <= used <= CUDA_SHARED_MEMORY[arch]
+
+
+def test_grouped_bfloat16_and_normalized_kernels_fit():
+    target = resolve({"kind": "cuda", "arch": "sm_80"})
+    for fam in ("hla2", "ahla"):
+        for chain in _chains(fam):
+            opts = _opts(fam, dtype="bfloat16", normalize=True)
+            for name, (func, shapes) in backend.tuning_kernels(
+                    chain, 64, 64, chunk=None if chain.calls[0].kernel == "decode" else 32,
+                    group=2, **opts).items():
+                check(cuda.scheduled(func), shapes, target, name)
+
+
+def test_a_head_size_too_large_for_shared_memory_gets_a_smaller_chunk():
+    target = resolve({"kind": "cuda", "arch": "sm_80"})
+    assert backend.gpu_chunk(chains.prefill("hla3"), 128, 128, target, chunk=64,
+                             **_opts("hla3")) == 32
+
+
+@pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
+def test_generated_source_builds_device_code_for_sm80_and_sm90():
+    import tvm
+
+    funcs = {}
+    for fam in FAMILIES:
+        for chain in _chains(fam):
+            funcs.update(chains.kernels(chain, 64, 64, chunk=32, **_opts(fam)))
+    target = resolve("cuda")
+    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
+    source = cuda_source(tvm.compile(schedule_module(mod, target), target=target))
+    kernels = [n for n in funcs]
+    for name in kernels:
+        assert f"{name}_kernel(" in source
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        cubins = dict(zip(("sm_80", "sm_90"), pool.map(
+            lambda arch: compile_cuda(source, arch, fmt="cubin"), ("sm_80", "sm_90"))))
+    for arch, cubin in cubins.items():
+        assert cubin[:4] == b"\x7fELF", arch
+        for name in kernels:   # every kernel's device function is in the binary
+            assert f"{name}_kernel".encode() in cubin, (arch, name)
+
+
+def test_targets_without_an_architecture_are_refused():
+    with pytest.raises(ValueError, match="CUDA architecture"):
+        resolve({"kind": "cuda", "arch": "sm_50"})
+    assert int(resolve({"kind": "cuda", "arch": "sm_90"}).attrs[
+        "max_shared_memory_per_block"]) == CUDA_SHARED_MEMORY["sm_90"]
