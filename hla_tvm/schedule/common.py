@@ -149,3 +149,17 @@ def independent_outer_loops(sch):
             if kind != DATA_PAR or not _indexes_writes(sch, block, loop, scratch):
                 keep = i
     return loops[:keep]
+
+
+def walk(node, visit):
+    """Call visit on `node` and every statement and expression under it (the node kinds kernels
+    hold: blocks, loops, sequences, stores, calls, arithmetic)."""
+    visit(node)
+    for name in ("block", "body", "init", "then_case", "else_case", "value", "a", "b",
+                 "condition", "true_value", "false_value"):
+        child = getattr(node, name, None)
+        if child is not None and not isinstance(child, (str, int, float, bool)):
+            walk(child, visit)
+    for child in list(getattr(node, "seq", None) or ()) + list(getattr(node, "args", None) or ()):
+        walk(child, visit)
+

@@ -7,38 +7,19 @@ kernel's arguments (the staged chunk of q, k, v) stay, as do those calling exp (
 powers, computed once on purpose)."""
 from __future__ import annotations
 
+from ..common import is_elementwise, walk
+
 
 def _calls_exp(stmt):
-    from .stage_syncs import _walk
-
     found = []
-
-    def visit(node):
-        op = getattr(node, "op", None)
-        if op is not None and getattr(op, "name", "") in ("tirx.exp", "tirx.log", "tir.exp"):
-            found.append(node)
-
-    _walk_expr(stmt, visit)
+    walk(stmt, lambda node: found.append(node) if getattr(getattr(node, "op", None), "name", "")
+         in ("tirx.exp", "tirx.log") else None)
     return bool(found)
-
-
-def _walk_expr(node, visit):
-    """Call visit on every expression and statement node under `node`."""
-    visit(node)
-    for name in ("body", "value", "a", "b", "condition", "true_value", "false_value", "then_case",
-                 "else_case"):
-        child = getattr(node, name, None)
-        if child is not None and not isinstance(child, (str, int, float, bool)):
-            _walk_expr(child, visit)
-    for child in list(getattr(node, "args", None) or ()) + list(getattr(node, "seq", None) or ()):
-        _walk_expr(child, visit)
 
 
 def inline_scratch(sch, func_name):
     """compute_inline every element-wise block whose reads are all scratch buffers and whose
     body calls no exp or log, into its consumers (a block that cannot be inlined stays)."""
-    from ..common import is_elementwise
-
     root = sch.get(sch.get_sblock("root"))
     scratch = list(root.alloc_buffers)
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):

@@ -27,7 +27,7 @@ def _lowered(func, target):
 
 def shared_bytes(func):
     """Bytes of shared memory the lowered `func` allocates (static and dynamic)."""
-    from .stage_syncs import _walk
+    from ..common import walk
 
     total = []
 
@@ -38,7 +38,7 @@ def shared_bytes(func):
             n = math.prod(int(x) for x in buf.shape)
             total.append(n * tvm_bytes(buf.dtype))
 
-    _walk(func.body, visit)
+    walk(func.body, visit)
     return sum(total)
 
 

@@ -8,6 +8,8 @@ sequential loop over stages (the chunk loop), which orders global as well as sha
 within the thread block. Kernels that write their arguments only once need none."""
 from __future__ import annotations
 
+from ..common import walk
+
 
 def updates_in_place(func):
     """True when a block of `func` reads a buffer that another block writes, the buffers it
@@ -22,20 +24,9 @@ def updates_in_place(func):
             blocks.append(({r.source.name for r in node.reads},
                            {w.source.name for w in node.writes}))
 
-    _walk(func.body, visit)
+    walk(func.body, visit)
     written = {name for _, writes in blocks for name in writes} - scratch
     return any((reads - writes) & written for reads, writes in blocks)
-
-
-def _walk(stmt, visit):
-    """Call visit on every statement under `stmt` (the node kinds kernels hold)."""
-    visit(stmt)
-    for name in ("block", "body", "then_case", "else_case", "init"):
-        child = getattr(stmt, name, None)
-        if child is not None and not isinstance(child, (str, int)):
-            _walk(child, visit)
-    for child in getattr(stmt, "seq", None) or ():
-        _walk(child, visit)
 
 
 def _sync():
