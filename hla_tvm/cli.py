@@ -406,8 +406,9 @@ def build_parser():
                     help="heads (default: 2, head size 64)")
     tr.add_argument("--decay", type=_decays, default=argparse.SUPPRESS, metavar="G[,G...]",
                     help="HLA's per-token decay, one value in (0, 1] for every head or one per "
-                         "head, or 'none' (default: 0.8,0.98, the shipped model's: without "
-                         "decay a byte-level HLALM learns far slower)")
+                         "head, or 'none' (default: 0.8,0.98 for 2 heads, the shipped "
+                         "model's, spread from 0.8 to 0.98 for others: without decay a "
+                         "byte-level HLALM learns far slower)")
     tr.add_argument("--attention", choices=("hla", "softmax"), default="hla",
                     help="hla: the HLALM; softmax: the same-size softmax-attention baseline")
     tr.add_argument("--seconds", type=_positive_float, default=None,

@@ -203,6 +203,16 @@ SHIPPED_CONFIG = dict(vocab_size=256, d_model=128, n_layers=4, n_heads=2, order=
 _GIVEN = object()
 
 
+def spread_decay(n_heads, short=0.8, long=0.98):
+    """One decay per head from `short` to `long`, evenly spaced in log(1 - decay) (the memory
+    lengths 1 / (1 - decay) grow geometrically): the shipped model's pair for 2 heads, their
+    middle (0.937) for one."""
+    if n_heads == 1:
+        return [round(1 - ((1 - short) * (1 - long)) ** 0.5, 4)]
+    return [round(1 - (1 - short) * ((1 - long) / (1 - short)) ** (i / (n_heads - 1)), 4)
+            for i in range(n_heads)]
+
+
 def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hla",
         seconds=None, d_model=None, n_layers=None, n_heads=None, decay=_GIVEN, progress=True):
     """Train a byte-level model (SHIPPED_CONFIG with the given overrides; decay=None: no decay)
@@ -230,10 +240,9 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
             config[key] = value
     if config["d_model"] % config["n_heads"]:
         raise ValueError(f"--heads {config['n_heads']} must divide --d-model {config['d_model']}")
-    if decay is not _GIVEN:
-        config["decay"] = decay
+    config["decay"] = spread_decay(config["n_heads"]) if decay is _GIVEN else decay
     if isinstance(config["decay"], list) and len(config["decay"]) not in (1, config["n_heads"]):
-        raise ValueError(f"decay needs one value or one per head ({config['n_heads']}), got "
+        raise ValueError(f"--decay needs one value or one per head ({config['n_heads']}), got "
                          f"{config['decay']}")
     if attention == "softmax":
         config.pop("decay")

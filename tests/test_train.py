@@ -108,3 +108,14 @@ def test_byte_vocab_config_is_checked():
         HLALM(100, 16, 1, 1, vocab="bytes")
     with pytest.raises(ValueError, match="vocab must be one of"):
         HLALM(256, 16, 1, 1, vocab="words")
+
+
+def test_default_decay_spreads_over_the_heads(tmp_path):
+    from hla_tvm import train
+
+    assert train.spread_decay(2) == train.SHIPPED_CONFIG["decay"] == [0.8, 0.98]
+    assert train.spread_decay(1) == [0.9368]
+    four = train.spread_decay(4)
+    assert four[0] == 0.8 and four[-1] == 0.98 and four == sorted(four)
+    with pytest.raises(ValueError, match="--decay needs one value or one per head"):
+        train.run(str(tmp_path / "m.pt"), steps=1, n_heads=4, d_model=16, decay=[0.9, 0.9])
