@@ -1,6 +1,8 @@
 """Helpers the schedule rules of every target share (not rules themselves)."""
 from __future__ import annotations
 
+import threading
+
 from tvm import tirx
 
 DATA_PAR, COMM_REDUCE = 0, 2   # IterVar kinds: data parallel, commutative reduction
@@ -162,4 +164,33 @@ def walk(node, visit):
             walk(child, visit)
     for child in list(getattr(node, "seq", None) or ()) + list(getattr(node, "args", None) or ()):
         walk(child, visit)
+
+
+class ScheduledOnce:
+    """Scheduled kernels remembered per process: `get(func, key, schedule)` returns
+    schedule(func named "main") for the first of the kernels equal to `func` up to their
+    global_symbol (with the same extra `key`, e.g. a vector width), that result afterwards,
+    named as `func` is."""
+
+    def __init__(self):
+        self._done: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, func, key, schedule):
+        import tvm_ffi
+
+        name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
+            else None
+        plain = func.with_attr("global_symbol", "main")
+        key = (tvm_ffi.structural_hash(plain), key)
+        with self._lock:
+            hits = self._done.get(key, ())
+        for before, after in hits:
+            if tvm_ffi.structural_equal(before, plain):
+                break
+        else:
+            before, after = plain, schedule(plain)
+            with self._lock:
+                self._done[key] = self._done.get(key, ()) + ((before, after),)
+        return after if name is None else after.with_attr("global_symbol", name)
 

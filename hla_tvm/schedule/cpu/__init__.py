@@ -1,8 +1,7 @@
 """Default CPU schedule rules, one per module; `apply` runs them in order on a function of a
 schedule, `scheduled` on one PrimFunc (remembered per process: the eager kernels and every
 compiled model that holds the same kernel share one scheduling)."""
-import threading
-
+from ..common import ScheduledOnce
 from . import matmul_tiles
 from .chunk_gemm import chunk_gemm
 from .parallel_outer import parallel_outer
@@ -37,29 +36,18 @@ def apply(sch, func_name, target=None, tunable=False):
     return sch
 
 
-_SCHEDULED: dict = {}
-_LOCK = threading.Lock()
+_SCHEDULED = ScheduledOnce()
 
 
 def scheduled(func, target=None):
     """`func` (a PrimFunc) with every default CPU rule applied for `target` (as `apply`). Kernels
     equal up to their global_symbol are scheduled once per process and vector width."""
     import tvm
-    import tvm_ffi
     from tvm import s_tir
 
-    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
-    plain = func.with_attr("global_symbol", "main")
-    key = (tvm_ffi.structural_hash(plain), _lanes(target))
-    with _LOCK:
-        hits = _SCHEDULED.get(key, ())
-    for before, after in hits:
-        if tvm_ffi.structural_equal(before, plain):
-            break
-    else:
+    def schedule(plain):
         sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
         apply(sch, "main", target)
-        before, after = plain, sch.mod["main"]
-        with _LOCK:
-            _SCHEDULED[key] = _SCHEDULED.get(key, ()) + ((before, after),)
-    return after if name is None else after.with_attr("global_symbol", name)
+        return sch.mod["main"]
+
+    return _SCHEDULED.get(func, _lanes(target), schedule)

@@ -11,8 +11,7 @@ order on one PrimFunc:
 The other functions of a compiled model get TVM's GPU defaults (`dlight`)."""
 from __future__ import annotations
 
-import threading
-
+from ..common import ScheduledOnce
 from .block_per_outer import block_per_outer
 from .inline_scratch import inline_scratch
 from .shared_scratch import hoist, shared_scratch
@@ -42,25 +41,10 @@ def schedule(func):
     return out if name is None else out.with_attr("global_symbol", name)
 
 
-_SCHEDULED: dict = {}
-_LOCK = threading.Lock()
+_SCHEDULED = ScheduledOnce()
 
 
 def scheduled(func, target=None):
     """`schedule(func)`, remembered per process for structurally equal kernels (the schedule
     does not depend on the GPU's architecture)."""
-    import tvm_ffi
-
-    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
-    plain = func.with_attr("global_symbol", "main")
-    key = tvm_ffi.structural_hash(plain)
-    with _LOCK:
-        hits = _SCHEDULED.get(key, ())
-    for before, after in hits:
-        if tvm_ffi.structural_equal(before, plain):
-            break
-    else:
-        before, after = plain, schedule(plain)
-        with _LOCK:
-            _SCHEDULED[key] = _SCHEDULED.get(key, ()) + ((before, after),)
-    return after if name is None else after.with_attr("global_symbol", name)
+    return _SCHEDULED.get(func, None, schedule)
