@@ -40,6 +40,16 @@ def inline_elementwise(sch, blocks, *, reverse=False):
     return left
 
 
+def root_scratch(sch):
+    """The buffers the scheduled function allocates on its root block (its scratch)."""
+    return list(sch.get(sch.get_sblock("root")).alloc_buffers)
+
+
+def among(buf, bufs):
+    """True when `buf` is one of `bufs` (the same buffer)."""
+    return any(buf.same_as(b) for b in bufs)
+
+
 def loop_iter_types(sch, block, loops):
     """For each of `loops`, the type (DATA_PAR, COMM_REDUCE, ...) of the one iterator of `block`
     whose binding uses that loop's variable; None when no iterator or several do. (An in-place

@@ -7,7 +7,7 @@ kernel's arguments (the staged chunk of q, k, v) stay, as do those calling exp (
 powers, computed once on purpose)."""
 from __future__ import annotations
 
-from ..common import is_elementwise, walk
+from ..common import among, is_elementwise, root_scratch, walk
 
 
 def _calls_exp(stmt):
@@ -20,15 +20,12 @@ def _calls_exp(stmt):
 def inline_scratch(sch, func_name):
     """compute_inline every element-wise block whose reads are all scratch buffers and whose
     body calls no exp or log, into its consumers (a block that cannot be inlined stays)."""
-    root = sch.get(sch.get_sblock("root"))
-    scratch = list(root.alloc_buffers)
+    scratch = root_scratch(sch)
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
         stmt = sch.get(block)
         if stmt.init is not None or not is_elementwise(sch, block):
             continue
-        if not all(any(r.source.same_as(b) for b in scratch) for r in stmt.reads):
-            continue
-        if not all(any(w.source.same_as(b) for b in scratch) for w in stmt.writes):
+        if not all(among(r.source, scratch) for r in list(stmt.reads) + list(stmt.writes)):
             continue
         if _calls_exp(stmt.body):
             continue

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from ..common import among, root_scratch
+
 SCOPE = "shared.dyn"
 
 # a TVMScript line allocating a buffer inside a loop body: "    name = T.alloc_buffer(args)"
@@ -41,14 +43,12 @@ def _drop_unread(sch, blocks):
     """Remove the element-wise blocks whose scratch output nothing reads (a macro's by-product,
     such as a chunk's total decay where a kernel uses only the per-row weights): TVM would place
     a dead shared buffer apart from the others, which its shared-memory planner rejects."""
-    root = sch.get(sch.get_sblock("root"))
-    scratch = list(root.alloc_buffers)
+    scratch = root_scratch(sch)
     read = [r.source for blk in blocks for r in sch.get(blk).reads]
     left = []
     for block in blocks:
         writes = [r.source for r in sch.get(block).writes]
-        dead = all(any(w.same_as(b) for b in scratch) and not any(w.same_as(r) for r in read)
-                   for w in writes)
+        dead = all(among(w, scratch) and not among(w, read) for w in writes)
         if dead and sch.get(block).init is None:
             sch.compute_inline(block)   # no consumer: the block goes
         else:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from ..common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, \
-    writes_alone
+from ..common import COMM_REDUCE, DATA_PAR, among, loop_iter_types, own_loops, root_scratch, \
+    static_extent, writes_alone
 
 
 def _spatial_reduce(sch, block):
@@ -40,13 +40,12 @@ def stage_threads(sch, most):
 
 
 def thread_stages(sch, func_name, threads, registers=True):
-    root = sch.get(sch.get_sblock("root"))
-    scratch = list(root.alloc_buffers)
+    scratch = root_scratch(sch)
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
         spatial, reduce_ = _spatial_reduce(sch, block)
         writes = sch.get(block).writes
-        if not spatial and all(w.source.scope() == "local" and
-                               any(w.source.same_as(b) for b in scratch) for w in writes):
+        if not spatial and all(w.source.scope() == "local" and among(w.source, scratch)
+                               for w in writes):
             continue   # one value in a register of every thread: each computes it itself
         if reduce_:
             sch.reorder(*spatial, *reduce_)
