@@ -77,7 +77,7 @@ def test_generated_source_builds_device_code_for_sm80_and_sm90():
     target = resolve("cuda")
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
     source = cuda_source(tvm.compile(schedule_module(mod, target), target=target))
-    kernels = [n for n in funcs]
+    kernels = list(funcs)
     for name in kernels:
         assert f"{name}_kernel(" in source
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
