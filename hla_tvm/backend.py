@@ -149,14 +149,14 @@ def _segmented(chain, q, k, v, chunk_size, run):
     `segment_tokens` (each continuing the state the one before left)."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    out = torch.empty(B, H, T, dv, dtype=q.dtype)
+    out = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
     seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype))
     if T <= seg:
         run(q, k, v, out)
         return out
     for start in range(0, T, seg):
         end = min(T, start + seg)
-        part = torch.empty(B, H, end - start, dv, dtype=q.dtype)
+        part = torch.empty(B, H, end - start, dv, dtype=q.dtype, device=q.device)
         run(*(aligned(x[:, :, start:end].contiguous()) for x in (q, k, v)), part)
         out[:, :, start:end] = part
     return out
@@ -168,10 +168,11 @@ class _Scratch(threading.local):
     this size come from mmap and fault in every page on first write)."""
     buf = None
 
-    def take(self, numel, dtype):
-        if self.buf is None or self.buf.numel() < numel or self.buf.dtype != dtype:
+    def take(self, numel, dtype, device="cpu"):
+        buf = self.buf
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
             self.buf = None
-            self.buf = torch.empty(numel, dtype=dtype)
+            self.buf = torch.empty(numel, dtype=dtype, device=device)
         return self.buf
 
 
@@ -184,7 +185,8 @@ def release_scratch():
 
 
 def run_chain(chain, fns, env, out, chunk_size):
-    """Call `chain`'s compiled functions `fns` in order: env maps the reads (q, k, v, gamma and
+    """Call `chain`'s compiled functions `fns` in order, on the device of env["q"] (the
+    functions compiled for it): env maps the reads (q, k, v, gamma and
     the state entries, which are advanced in place; the chain's key/value-head entries with the
     key/value heads of k) to tensors; the per-chunk buffers the calls write are views of this
     thread's scratch; the output goes to `out` [B, H, T, Dv]."""
@@ -195,7 +197,7 @@ def run_chain(chain, fns, env, out, chunk_size):
     shapes = chains.buffer_shapes(chain, B, H, Hkv, nc, dk, dv, chunk_size)
     # each buffer starts 64-byte aligned, as TVM's own allocations do
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
-    flat = _SCRATCH.take(sum(sizes.values()) + 16, state_dtype(env["q"].dtype))
+    flat = _SCRATCH.take(sum(sizes.values()) + 16, state_dtype(env["q"].dtype), env["q"].device)
     at = -(flat.data_ptr() // flat.element_size()) % 16
     for name, shape in shapes.items():
         env[name] = flat[at:at + math.prod(shape)].view(shape)

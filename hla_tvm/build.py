@@ -76,14 +76,21 @@ def schedule_module(mod, target):
                          else rules(mod[gv], target) for gv in mod.get_global_vars()})
 
 
+def compile_kernels(funcs, target):
+    """`tvm.compile` of the kernels {name: PrimFunc} (functions named so), each scheduled by
+    its tuned record or the target's default rules (`schedule_module`)."""
+    import tvm
+
+    irmod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
+    return tvm.compile(schedule_module(irmod, target), target=target)
+
+
 def load_or_build(spec: dict, make_funcs, target):
     """The compiled runtime module for `spec`: from memory, else from disk, else built.
 
     make_funcs() returns {name: PrimFunc}. The built library is sealed with the digest of its
     spec and target (`libfile`) and written to the cache folder atomically; a cached file that
     is truncated, corrupt, or sealed for another spec is rebuilt with a warning."""
-    import tvm
-
     fast = (tuple(sorted(spec.items())), str(target))
     mod = _MEMORY.get(fast)  # the per-call path: no hashing, no lock
     if mod is not None:
@@ -102,11 +109,7 @@ def load_or_build(spec: dict, make_funcs, target):
                 warnings.warn(f"hla_tvm: rebuilding unreadable cached kernel {path}: {err}")
         _size_thread_pool()
         if mod is None:
-            funcs = make_funcs()
-            irmod = tvm.IRModule({name: f.with_attr("global_symbol", name)
-                                  for name, f in funcs.items()})
-            exe = tvm.compile(schedule_module(irmod, target), target=target)
-            mod = _save(exe, path, tag)
+            mod = _save(compile_kernels(make_funcs(), target), path, tag)
         _MEMORY[fast] = mod
         return mod
 

@@ -94,3 +94,58 @@ def test_targets_without_an_architecture_are_refused():
         resolve({"kind": "cuda", "arch": "sm_50"})
     assert int(resolve({"kind": "cuda", "arch": "sm_90"}).attrs[
         "max_shared_memory_per_block"]) == CUDA_SHARED_MEMORY["sm_90"]
+
+
+def _threads(func):
+    """The threadIdx.x extent of a scheduled kernel (0 when no loop is bound to it)."""
+    from tvm import tirx
+
+    from hla_tvm.schedule.common import walk
+
+    found = []
+
+    def visit(node):
+        if isinstance(node, tirx.For) and node.thread_binding is not None and \
+                node.thread_binding.thread_tag == "threadIdx.x":
+            found.append(int(node.extent))
+
+    walk(func.body, visit)
+    return max(found, default=0)
+
+
+def test_every_kernel_runs_on_many_threads_and_in_place_kernels_are_told_apart():
+    """A kernel on a handful of threads ran 280 times slower on an H200 (third order's cross
+    kernel: an output written and read back was taken for an in-place update, and a 65-element
+    stage then set the thread count to 1)."""
+    from hla_tvm.schedule.cuda.shared_scratch import hoist
+    from hla_tvm.schedule.cuda.stage_syncs import reads_back, updates_in_place
+
+    in_place = set()
+    for fam in FAMILIES:
+        for chain in _chains(fam):
+            chunk = None if chain.calls[0].kernel == "decode" else 64
+            for name, (func, _) in backend.tuning_kernels(chain, 128, 128, chunk=chunk,
+                                                          **_opts(fam)).items():
+                assert _threads(cuda.scheduled(func)) >= 64, name
+                plain = hoist(func.with_attr("global_symbol", "main"))
+                if updates_in_place(plain):
+                    in_place.add(name)
+                    assert reads_back(plain), name
+    assert "hla3_chunk_cross" not in in_place   # its outputs are read back, not updated
+    assert {"hla2_chunk_carry", "hla2d_decode", "chunk_psum_w16384"} <= in_place
+
+
+def test_chains_and_backend_import_without_tvm():
+    """A GPU machine with the TVM runtime alone (`benchmarks/gpu_check.py run`) runs the
+    chains through `backend.run_chain`: neither may import TVM's compiler."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tvm'] = None\n"
+            "from hla_tvm import backend\nfrom hla_tvm.kernels import chains\n"
+            "c = chains.prefill('hla3')\n"
+            "assert chains.argument_shapes(c, 1, 2, 2, 70, 8, 8, 32, 'bfloat16')\n"
+            "print(chains.kernel_name(c, c.calls[-1], 8, 8))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hla3_chunk_output"

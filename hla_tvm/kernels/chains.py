@@ -30,13 +30,15 @@ dtype; "o" is the output [B, H, T, Dv] in the input dtype.
 A "scan" call (`_tir.chunk_scan`) sees its state [B, H, width] and its increments and record
 [B, H, NC, width] flattened to the width of the increments' kind; without "gl" among its reads it
 is a plain prefix sum.
+
+This module (the chains, not the kernels they name) needs no TVM compiler.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
-from . import KERNELS, REFERENCES, STATE_NAMES, _tir
+from . import REFERENCES, STATE_NAMES
 
 KIND_SHAPES = {"kk": lambda dk, dv, n: (dk, dk), "kv": lambda dk, dv, n: (dk, dv),
                "k": lambda dk, dv, n: (dk,), "1": lambda dk, dv, n: (),
@@ -157,7 +159,7 @@ def argument_shapes(chain, B, H, Hkv, T, dk, dv, n, dtype):
     """[(call, [(shape, dtype) of each argument])] of every call of `chain` on q [B, H, T, dk]
     with k, v of Hkv heads, inputs in `dtype` (a dtype name): what its kernels are called with
     (`hla_tvm.backend.run_chain`), e.g. to specialize them for tuning."""
-    acc = _tir.accum_dtype(dtype)
+    acc = "float64" if dtype == "float64" else "float32"   # (`_tir.accum_dtype`)
     decode = chain.calls[0].kernel == "decode"
     kv = chain.kv_buffers()
     state = REFERENCES[chain.family].state_shapes(B, H, dk, dv)
@@ -211,6 +213,8 @@ def _reset_macro_counts():
     suffixes the block names of a macro's n-th expansion in the process with "_n"; block names
     are part of a kernel's structural hash (how tuned records are found) and of the traces
     records replay, so each kernel must be parsed from a count of zero."""
+    from . import KERNELS, _tir
+
     for mod in (_tir, *KERNELS.values()):
         for obj in vars(mod).values():
             # T.macro gives a function whose closure holds the macro object
@@ -231,6 +235,8 @@ def make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
 
 
 def _make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
+    from . import KERNELS, _tir
+
     kmod = KERNELS[chain.family]
     if call.kernel == "scan":
         return _tir.chunk_scan(scan_width(call.writes[0][1], dk, dv), dtype=dtype,

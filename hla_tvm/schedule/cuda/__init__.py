@@ -15,7 +15,7 @@ from ..common import ScheduledOnce
 from .block_per_outer import block_per_outer
 from .inline_scratch import inline_scratch
 from .shared_scratch import hoist, shared_scratch
-from .stage_syncs import updates_in_place, with_syncs
+from .stage_syncs import reads_back, updates_in_place, with_syncs
 from .thread_stages import stage_threads, thread_stages
 
 THREADS = 128   # threads per block: four warps
@@ -29,6 +29,7 @@ def schedule(func):
     name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
     sch = s_tir.Schedule(tvm.IRModule({"main": hoist(func.with_attr("global_symbol", "main"))}))
     in_place = updates_in_place(sch.mod["main"])
+    synced = in_place or reads_back(sch.mod["main"])
     if not in_place:
         inline_scratch(sch, "main")
     block_per_outer(sch, "main")
@@ -36,7 +37,7 @@ def schedule(func):
     threads = stage_threads(sch, THREADS) if in_place else THREADS
     thread_stages(sch, "main", threads, registers=not in_place)
     out = sch.mod["main"]
-    if in_place:
+    if synced:
         out = with_syncs(out)
     return out if name is None else out.with_attr("global_symbol", name)
 

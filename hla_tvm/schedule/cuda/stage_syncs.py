@@ -11,9 +11,9 @@ from __future__ import annotations
 from ..common import walk
 
 
-def updates_in_place(func):
-    """True when a block of `func` reads a buffer that another block writes, the buffers it
-    allocates aside: a kernel argument updated in place and read back."""
+def _stage_buffers(func):
+    """(names of the buffers func's blocks allocate, [(reads, writes) of each block in program
+    order])."""
     from tvm import s_tir
 
     scratch, blocks = set(), []
@@ -25,8 +25,28 @@ def updates_in_place(func):
                            {w.source.name for w in node.writes}))
 
     walk(func.body, visit)
+    return scratch, blocks
+
+
+def reads_back(func):
+    """True when a block of `func` reads a buffer that another block writes, the buffers it
+    allocates aside: a kernel argument written and read back (by other threads, so the stages
+    need barriers between them)."""
+    scratch, blocks = _stage_buffers(func)
     written = {name for _, writes in blocks for name in writes} - scratch
     return any((reads - writes) & written for reads, writes in blocks)
+
+
+def updates_in_place(func):
+    """True when a block of `func` reads a kernel argument that it or a later block writes:
+    the kernel updates it in place (a decode's state, a scan's), which is no stage pipeline."""
+    scratch, blocks = _stage_buffers(func)
+    later = set()
+    for reads, writes in reversed(blocks):
+        if (reads - scratch) & (later | writes):
+            return True
+        later |= writes
+    return False
 
 
 def _sync():

@@ -27,13 +27,14 @@ def _spatial_reduce(sch, block):
 
 def stage_threads(sch, most):
     """Threads per block for a kernel updating its state in place: the largest count up to
-    `most` that divides every stage's number of output elements, so that no stage runs under a
-    predicate (TVM cannot place the barriers a sum into shared memory needs under one)."""
+    `most` that divides every summing stage's number of output elements, so that no sum runs
+    under a predicate (TVM cannot place the barriers a sum into shared memory needs under one);
+    element-wise stages may (their tail is masked)."""
     sizes = []
     for block in sch.get_child_blocks(sch.get_sblock("root")):
-        spatial, _ = _spatial_reduce(sch, block)
+        spatial, reduce_ = _spatial_reduce(sch, block)
         extents = [static_extent(sch, lp) for lp in spatial]
-        if spatial and all(extents):
+        if spatial and reduce_ and all(extents):
             sizes.append(math.prod(extents))
     count = math.gcd(*sizes) if sizes else most
     return max(d for d in range(1, min(count, most) + 1) if count % d == 0)

@@ -1,0 +1,607 @@
+"""Every HLA kernel checked on an NVIDIA GPU against the float64 reference, and decode and
+prefill timed there beside PyTorch, from a bundle made on a machine with TVM's compiler.
+
+    python benchmarks/gpu_check.py prepare [--bundle gpu_bundle] [--arch sm_90]
+        (here: TVM's compiler and nvcc) compiles the CUDA kernel modules the check runs, builds
+        their device code with nvcc, and gathers the runtime: libtvm_runtime.so,
+        libtvm_runtime_cuda.so and a cp312 apache-tvm-ffi wheel (pip downloads it once).
+    python benchmarks/gpu_check.py run [--bundle gpu_bundle] [--out DIR]
+        (on the GPU machine: PyTorch with CUDA and apache-tvm-ffi; no TVM) runs the checks, each
+        group of kernels in its own process (a kernel that faults or hangs fails its group
+        alone), then the timings; prints Markdown tables and writes DIR/gpu_check.json and .md.
+
+The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.kernels.chains`
+(neither needs TVM's compiler); the references are `hla_tvm.reference` in float64 on the GPU.
+Timed: decode at B64 H32 D128 (float32 state) against `hla_tvm.fast.step` eager and under
+torch.compile, as a share of the measured copy bandwidth; prefill at B1 H32 T32768 D128 bfloat16
+against `hla_tvm.fast.chunk` (float32 work, as `hla(backend="torch")`) eager and under
+torch.compile, and SDPA causal softmax (flash) on the same inputs.
+
+TVM 0.27 keeps a module's CUDA code as source and builds it when the module is loaded, through
+the `tvm_callback_cuda_compile` hook. `run` registers a hook serving the device code `prepare`
+built (looked up by the source's sha256; nvcc there builds any source not found)."""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"   # pyproject's pin
+OPTS = {"hla2": dict(masked=True, ridge=0.0), "hla2d": dict(masked=True, ridge=0.0),
+        "ahla": {}, "hla3": {}}
+OPERATOR = {"hla2": "hla2", "hla2d": "hla2", "ahla": "ahla", "hla3": "hla3"}
+# (family, dtype, head size, group, normalize): one module of its prefill chain and one of its
+# decode chain (second order decodes with hla2d's kernel)
+CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2d", "ahla", "hla3")
+          for dtype in ("float32", "bfloat16") for d in (64, 128)] + [
+    ("hla2", "float32", 64, 1, True), ("hla2d", "float32", 64, 2, False),
+    ("ahla", "bfloat16", 64, 2, True), ("hla3", "float32", 64, 2, False)]
+DECODE_TIMED = ("hla2d", "ahla", "hla3")   # B64 H32 D128 float32
+
+
+def entry_id(fam, phase, dtype, d, group=1, normalize=False):
+    return f"{fam}-{phase}-{dtype}-d{d}" + (f"-g{group}" if group > 1 else "") + \
+        ("-norm" if normalize else "")
+
+
+# ----------------------------------------------------------------------------- prepare (here)
+
+def prepare(args):
+    """Compile the check's modules for the GPU, build their device code, gather the runtime."""
+    import tvm
+
+    from hla_tvm import backend
+    from hla_tvm.build import compile_kernels
+    from hla_tvm.device_code import compile_cuda, cuda_source
+    from hla_tvm.kernels import chains
+    from hla_tvm.target import resolve
+
+    target = resolve({"kind": "cuda", "arch": args.arch})
+    bundle = os.path.abspath(args.bundle)
+    for sub in ("modules", "device", "runtime", "wheels"):
+        os.makedirs(os.path.join(bundle, sub), exist_ok=True)
+    manifest = {"arch": args.arch, "tvm": tvm.__version__, "entries": {}}
+    wanted = []
+    for fam, dtype, d, group, normalize in CHECKS:
+        opts = dict(OPTS[fam], normalize=normalize, eps=1e-6, dtype=dtype)
+        wanted.append((entry_id(fam, "prefill", dtype, d, group, normalize),
+                       chains.prefill(fam), d, group, opts))
+        dfam = "hla2d" if fam == "hla2" else fam
+        wanted.append((entry_id(dfam, "decode", dtype, d, group, normalize),
+                       chains.decode(dfam), d, group, dict(OPTS[dfam], normalize=normalize,
+                                                            eps=1e-6, dtype=dtype)))
+    for fam in DECODE_TIMED:   # the timed decodes: no decay (gamma = 1), plain options
+        wanted.append((entry_id(fam, "decode", "float32", 128), chains.decode(fam), 128, 1,
+                       dict(OPTS[fam], normalize=False, eps=1e-6, dtype="float32")))
+    seen = set()
+    for n, (eid, chain, d, group, opts) in enumerate(wanted):
+        if eid in seen:
+            continue
+        seen.add(eid)
+        path = os.path.join(bundle, "modules", eid + ".so")
+        decode = chain.calls[0].kernel == "decode"
+        chunk = None if decode else backend.gpu_chunk(chain, d, d, target, chunk=64, group=group,
+                                                      **opts)
+        t0 = time.time()
+        if not os.path.exists(path):
+            kernels = backend.tuning_kernels(chain, d, d, chunk=chunk, group=group, **opts)
+            exe = compile_kernels({name: f for name, (f, _) in kernels.items()}, target)
+            source = cuda_source(exe)
+            key = hashlib.sha256(source.encode()).hexdigest()
+            binary = os.path.join(bundle, "device", key + ".fatbin")
+            if not os.path.exists(binary):
+                with open(binary + ".tmp", "wb") as f:
+                    f.write(compile_cuda(source, [args.arch]))
+                os.replace(binary + ".tmp", binary)
+            exe.export_library(path + ".tmp.so")
+            os.replace(path + ".tmp.so", path)
+        manifest["entries"][eid] = {
+            "family": chain.family, "phase": "decode" if decode else "prefill",
+            "dtype": opts["dtype"], "d": d, "group": group, "chunk": chunk,
+            "options": {k: v for k, v in opts.items() if k != "dtype"},
+            "module": f"modules/{eid}.so"}
+        print(f"[{n + 1}/{len(wanted)}] {eid}: chunk {chunk}, {time.time() - t0:.1f} s", flush=True)
+    lib = os.path.join(os.path.dirname(tvm.__file__), "lib")
+    for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
+        shutil.copy2(os.path.join(lib, name), os.path.join(bundle, "runtime", name))
+    if not glob.glob(os.path.join(bundle, "wheels", "apache_tvm_ffi-*cp312*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp",
+                        "--platform", "manylinux_2_28_x86_64", "-d",
+                        os.path.join(bundle, "wheels"), FFI_WHEEL], check=True)
+    with open(os.path.join(bundle, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(bundle, "**"), recursive=True)
+               if os.path.isfile(p))
+    print(f"bundle {bundle}: {len(manifest['entries'])} modules, {size / 2**20:.1f} MiB")
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+def load_runtime(bundle):
+    """Load TVM's runtime and its CUDA part from the bundle and register the device-code hook."""
+    import ctypes
+
+    import torch
+    import tvm_ffi   # first: loads libtvm_ffi.so, which TVM's runtime links to
+
+    torch.cuda.init()
+    rt = os.path.join(bundle, "runtime")
+    ctypes.CDLL(os.path.join(rt, "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+    for pattern in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.13"):
+        found = [p for d in sys.path for p in glob.glob(os.path.join(d, pattern))]
+        if found:
+            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+            break
+    ctypes.CDLL(os.path.join(rt, "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+    arch = json.load(open(os.path.join(bundle, "manifest.json")))["arch"]
+
+    def device_code(code, *_):
+        key = hashlib.sha256(code.encode()).hexdigest()
+        path = os.path.join(bundle, "device", key + ".fatbin")
+        if os.path.exists(path):
+            return open(path, "rb").read()
+        from hla_tvm.device_code import compile_cuda   # nvcc on this machine
+
+        print(f"  (device code {key[:12]} not in the bundle: nvcc here)", flush=True)
+        return compile_cuda(code, [arch])
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", device_code, override=True)
+    return tvm_ffi
+
+
+class Kernels:
+    """A bundle's modules, loaded on first use: functions(entry id) -> (entry, chain, [fn])."""
+
+    def __init__(self, bundle):
+        self.bundle = bundle
+        self.ffi = load_runtime(bundle)
+        self.manifest = json.load(open(os.path.join(bundle, "manifest.json")))
+        self._mods = {}
+
+    def functions(self, eid):
+        from hla_tvm.kernels import chains
+
+        e = self.manifest["entries"][eid]
+        chain = (chains.decode if e["phase"] == "decode" else chains.prefill)(e["family"])
+        if eid not in self._mods:
+            self._mods[eid] = self.ffi.load_module(os.path.join(self.bundle, e["module"]))
+        mod = self._mods[eid]
+        return e, chain, [mod[chains.kernel_name(chain, c, e["d"], e["d"], e["group"])]
+                          for c in chain.calls]
+
+    def synchronize(self):
+        import torch
+
+        torch.cuda.synchronize()
+
+    def run(self, eid, env, out):
+        """Run entry eid's chain on torch CUDA tensors (env as `backend.run_chain` takes it)."""
+        from hla_tvm import backend
+
+        e, chain, fns = self.functions(eid)
+        with self.ffi.use_torch_stream():
+            backend.run_chain(chain, fns, env, out, e["chunk"] or 1)
+        return out
+
+
+def rel_err(x, ref):
+    """max |x - ref| / max |ref| (0 when both vanish)."""
+    x, ref = x.double(), ref.double()
+    scale = ref.abs().max().item()
+    return (x - ref).abs().max().item() / (scale or 1.0)
+
+
+def _inputs(B, H, Hkv, T, d, dtype, seed, device="cuda"):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda h: (torch.randn(B, h, T, d, device=device, generator=g) * 0.5).to(dtype)  # noqa: E731
+    return mk(H), mk(Hkv), mk(Hkv)
+
+
+def check_entry(kern, fam, dtype_name, d, group, normalize, seed=0, device="cuda"):
+    """Rows comparing the prefill (from a nonzero state) and three decode steps of one
+    configuration with the float64 reference on the GPU."""
+    import torch
+
+    from hla_tvm.kernels import REFERENCES
+    from hla_tvm.operators import OPERATORS
+
+    dtype = getattr(torch, dtype_name)
+    ref = REFERENCES[fam]
+    op = next(o for o in OPERATORS.values() if o.name == OPERATOR[fam])
+    B, H, T, T0 = 2, 4, 150, 37
+    Hkv = H // group
+    opts = dict(OPTS[fam], normalize=normalize, eps=1e-6)
+    decay = None if fam == "hla2" else torch.linspace(0.85, 0.99, Hkv, device=device,
+                                                        dtype=torch.float64).repeat_interleave(group)
+    q, k, v = _inputs(B, H, Hkv, T0 + T + 3, d, dtype, seed, device)
+    kf, vf = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    qf = q.double()
+    # the reference: a first segment gives a nonzero state, then the checked tokens
+    _, st0 = ref.serial(qf[:, :, :T0], kf[:, :, :T0], vf[:, :, :T0], decay=decay, **opts)
+    o_ref, st1 = ref.serial(qf[:, :, T0:T0 + T], kf[:, :, T0:T0 + T], vf[:, :, T0:T0 + T],
+                            decay=decay, state={n: x.clone() for n, x in st0.items()}, **opts)
+    rows = []
+    pid = entry_id(fam, "prefill", dtype_name, d, group, normalize)
+    gamma = (torch.ones(H, device=device) if decay is None else decay.float()).contiguous()
+    state = {n: (x[:, ::group] if n in op.kv_state else x).float().contiguous()
+             for n, x in st0.items()}
+    env = {"q": q[:, :, T0:T0 + T].contiguous(), "k": k[:, :, T0:T0 + T].contiguous(),
+           "v": v[:, :, T0:T0 + T].contiguous(), "gamma": gamma, **state}
+    out = torch.empty(B, H, T, d, dtype=dtype, device=device)
+    kern.run(pid, env, out)
+    kern.synchronize()
+    errs = {"o": rel_err(out, o_ref)}
+    for n, x in state.items():
+        errs[n] = rel_err(x, st1[n][:, ::group] if n in op.kv_state else st1[n])
+    rows.append({"entry": pid, "errors": errs, "floor": rel_err(o_ref.to(dtype), o_ref)})
+    # decode: three tokens from the reference's state (every entry with the query heads; k, v
+    # with the key/value heads)
+    did = entry_id("hla2d" if fam == "hla2" else fam, "decode", dtype_name, d, group, normalize)
+    st = {n: x.float().contiguous() for n, x in st1.items()}
+    rst = {n: x.clone() for n, x in st1.items()}
+    errs, floor = {}, 0.0
+    for t in range(T0 + T, T0 + T + 3):
+        o = torch.empty(B, H, 1, d, dtype=dtype, device=device)
+        kern.run(did, {"q": q[:, :, t:t + 1].contiguous(), "k": k[:, :, t:t + 1].contiguous(),
+                       "v": v[:, :, t:t + 1].contiguous(), "gamma": gamma, **st}, o)
+        o_r, rst = ref.step(qf[:, :, t], kf[:, :, t], vf[:, :, t], rst, decay=decay, **opts)
+        kern.synchronize()
+        errs["o"] = max(errs.get("o", 0.0), rel_err(o[:, :, 0], o_r))
+        floor = max(floor, rel_err(o_r.to(dtype), o_r))
+    for n in st:
+        errs[n] = rel_err(st[n], rst[n])
+    rows.append({"entry": did, "errors": errs, "floor": floor})
+    return rows
+
+
+def tolerance(dtype_name):
+    """The issue's bound: 1e-4 for float32, 1e-3 for bfloat16, above the error of rounding the
+    exact output to the output dtype (`floor`; output elements are rounded, the bound is on
+    max |error| / max |reference|)."""
+    return 1e-4 if dtype_name == "float32" else 1e-3
+
+
+def worker_checks(args):
+    kern = Kernels(args.bundle)
+    results = []
+    for spec in args.checks.split(";"):
+        fam, dtype, d, group, normalize = spec.split(",")
+        t0 = time.time()
+        try:
+            rows = check_entry(kern, fam, dtype, int(d), int(group), normalize == "1")
+            for r in rows:
+                worst = max(r["errors"].values())
+                r["pass"] = worst <= tolerance(dtype) + r["floor"]
+                r["worst"] = worst
+        except Exception as err:   # a failed configuration is reported; the rest still run
+            rows = [{"entry": entry_id(fam, "prefill", dtype, int(d), int(group),
+                                       normalize == "1"),
+                     "error": f"{type(err).__name__}: {err}"[:600], "pass": False}]
+        for r in rows:
+            r["seconds"] = round(time.time() - t0, 2)
+            print(json.dumps(r), flush=True)
+        results += rows
+    with open(args.result, "w") as f:
+        json.dump(results, f)
+
+
+def cuda_time(fn, *, warmup=2, min_seconds=1.0, max_iters=200):
+    """Mean seconds per call of fn() on the GPU (CUDA events)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - t0
+    n = max(1, min(max_iters, int(min_seconds / max(once, 1e-6))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / n
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    """Bytes per second (read + written) of a device-to-device copy of nbytes."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / cuda_time(lambda: dst.copy_(src))
+
+
+def worker_timing(args):
+    import torch
+
+    from hla_tvm.fast import step as fast_step
+    from hla_tvm.kernels import REFERENCES
+
+    kern = Kernels(args.bundle)
+    rows = []
+
+    def emit(row):   # a later row of the same bench and family supersedes the earlier one
+        print(json.dumps(row), flush=True)
+        rows[:] = [r for r in rows if (r["bench"], r.get("family")) !=
+                   (row["bench"], row.get("family"))] + [row]
+        with open(args.result, "w") as f:
+            json.dump(rows, f)
+
+    copy_bw = copy_bandwidth()
+    emit({"bench": "copy", "GB/s": copy_bw / 1e9})
+    # decode B64 H32 D128, float32 state, no decay
+    B, H, d = 64, 32, 128
+    steps = {"hla2d": fast_step.hla2_step_, "ahla": fast_step.ahla_step_,
+             "hla3": fast_step.hla3_step_}
+    for fam in DECODE_TIMED:
+        if time.time() > args.deadline:
+            break
+        eid = entry_id(fam, "decode", "float32", d)
+        e, chain, (fn,) = kern.functions(eid)
+        ref = REFERENCES[fam]
+        st = ref.zero_state(B, H, d, d, torch.float32, "cuda")
+        q, k, v = (torch.randn(B, H, 1, d, device="cuda") * 0.1 for _ in range(3))
+        o = torch.empty(B, H, 1, d, device="cuda")
+        gamma = torch.ones(H, device="cuda")
+        args_ = (q, k, v, gamma, *[st[n] for n in chain.state_names], o)
+        nbytes = 2 * sum(x.numel() * 4 for x in st.values()) + 4 * (q.numel() * 4)
+        with kern.ffi.use_torch_stream():
+            t_tvm = cuda_time(lambda: fn(*args_))
+        opts = dict(OPTS[fam])
+        q3, k3, v3 = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        step = steps[fam]
+        t_eager = cuda_time(lambda: step(q3, k3, v3, st, **opts))
+        row = {"bench": "decode", "family": fam, "shape": "B64 H32 D128 float32",
+               "tvm_ms": t_tvm * 1e3, "eager_ms": t_eager * 1e3,
+               "tvm_GB/s": nbytes / t_tvm / 1e9, "state_MB": nbytes / 2 / 1e6,
+               "share_of_copy_bw": nbytes / t_tvm / copy_bw}
+        if fam == "hla2d" or args.compile_all:
+            try:
+                t0 = time.time()
+                compiled = torch.compile(step)
+                compiled(q3, k3, v3, st, **opts)
+                row["compile_s"] = time.time() - t0
+                row["compiled_ms"] = cuda_time(lambda: compiled(q3, k3, v3, st, **opts)) * 1e3
+            except Exception as err:
+                row["compiled_error"] = f"{type(err).__name__}: {err}"[:300]
+        emit(row)
+    # prefill B1 H32 T D128 bfloat16, no decay (gamma = 1 for the decayed chains)
+    for fam in args.prefill_families.split(","):
+        if time.time() > args.deadline:
+            break
+        try:
+            time_prefill(kern, fam, args.prefill_tokens, args.deadline, emit)
+        except Exception as err:
+            emit({"bench": "prefill", "family": fam, "error": f"{type(err).__name__}: {err}"[:600]})
+        torch.cuda.empty_cache()
+
+
+def time_prefill(kern, fam, T, deadline, emit):
+    """Time one family's prefill chain at B1 H32 T D128 bfloat16 (and each kernel of it) beside
+    the PyTorch chunk form (eager, torch.compile) and SDPA causal softmax; its error against
+    the chunk form in float64."""
+    import torch
+    import torch.nn.functional as F
+
+    from hla_tvm import backend
+    from hla_tvm.fast import chunk as fast_chunk
+    from hla_tvm.kernels import REFERENCES
+
+    B, H, d, dtype = 1, 32, 128, torch.bfloat16
+    eid = entry_id(fam, "prefill", "bfloat16", d)
+    e, chain, fns = kern.functions(eid)
+    q, k, v = (x * 0.2 for x in _inputs(B, H, H, T, d, dtype, 1))
+    out = torch.empty(B, H, T, d, dtype=dtype, device="cuda")
+    zero = REFERENCES[fam].zero_state(B, H, d, d, torch.float32, "cuda")
+    gamma = torch.ones(H, device="cuda")
+
+    def tvm_prefill():
+        kern.run(eid, {"q": q, "k": k, "v": v, "gamma": gamma,
+                       **{n: x.zero_() for n, x in zero.items()}}, out)
+        return out
+
+    row = {"bench": "prefill", "family": fam, "shape": f"B1 H32 T{T} D128 bfloat16",
+           "chunk": e["chunk"]}
+    row["tvm_ms"] = cuda_time(tvm_prefill, warmup=1, min_seconds=2, max_iters=10) * 1e3
+    o_tvm = tvm_prefill().clone()
+    # each kernel of the chain, on the buffers of one full run (timing repeats in-place
+    # kernels, so their outputs are not looked at afterwards)
+    env = {"q": q, "k": k, "v": v, "gamma": gamma, **{n: x.zero_() for n, x in zero.items()}}
+    nc = -(-T // e["chunk"])
+    per = {}
+    with kern.ffi.use_torch_stream():
+        backend.run_chain(chain, fns, env, out, e["chunk"])
+        for i, (call, fn) in enumerate(zip(chain.calls, fns)):
+            argv = [env[x] for x in call.reads] + [env[x] for x, _ in call.writes]
+            if call.kernel == "scan":
+                heads = argv[0].shape[1]
+                argv[:2] = [argv[0].view(B, heads, -1), argv[1].view(B, heads, nc, -1)]
+                argv[-1] = argv[-1].view(B, heads, nc, -1)
+            per[f"{i}:{call.kernel}"] = round(cuda_time(lambda: fn(*argv), warmup=1,
+                                                        min_seconds=0.3, max_iters=20) * 1e3, 3)
+    row["tvm_kernels_ms"] = per
+    emit(dict(row))
+    form = fast_chunk.CHUNKED["hla2" if fam == "hla2d" else fam]
+    o64 = form(q.double(), k.double(), v.double(), chunk_size=64)[0]
+    row["tvm_rel_err_vs_float64"] = rel_err(o_tvm, o64)
+    row["bf16_rounding_floor"] = rel_err(o64.to(dtype), o64)
+    del o64
+    qw, kw, vw = (x.float() for x in (q, k, v))
+
+    def torch_form():
+        return form(qw, kw, vw, chunk_size=64)[0].to(dtype)
+
+    row["torch_fp32_ms"] = cuda_time(torch_form, warmup=1, min_seconds=2, max_iters=10) * 1e3
+    row["torch_bf16_ms"] = cuda_time(lambda: form(q, k, v, chunk_size=64), warmup=1,
+                                     min_seconds=2, max_iters=10) * 1e3
+    row["sdpa_flash_ms"] = cuda_time(lambda: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True), warmup=2, min_seconds=2, max_iters=20) * 1e3
+    emit(dict(row))
+    if time.time() < deadline:
+        try:
+            t0 = time.time()
+            compiled = torch.compile(torch_form)
+            compiled()
+            row["compile_s"] = time.time() - t0
+            row["torch_compiled_fp32_ms"] = cuda_time(compiled, warmup=1, min_seconds=2,
+                                                      max_iters=10) * 1e3
+        except Exception as err:
+            row["compiled_error"] = f"{type(err).__name__}: {err}"[:300]
+        emit(row)
+
+
+def run(args):
+    """Checks in parallel processes, then the timings in one; tables and JSON to --out."""
+    manifest = json.load(open(os.path.join(args.bundle, "manifest.json")))
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    gpu = torch.cuda.get_device_name(0)
+    print(f"# gpu_check on {gpu}, torch {torch.__version__}, kernels for {manifest['arch']} "
+          f"(TVM {manifest['tvm']})", flush=True)
+    groups = {}
+    for fam, dtype, d, group, normalize in [] if args.skip_checks else CHECKS:
+        groups.setdefault(fam, []).append(f"{fam},{dtype},{d},{group},{int(normalize)}")
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONUNBUFFERED="1")
+    procs = {}
+    t0 = time.time()
+    for fam, specs in groups.items():
+        result = os.path.join(args.out, f"checks-{fam}.json")
+        cmd = [sys.executable, __file__, "worker-checks", "--bundle", args.bundle,
+               "--checks", ";".join(specs), "--result", result]
+        procs[fam] = (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True), result)
+    checks = []
+    for fam, (p, result) in procs.items():
+        try:
+            log, _ = p.communicate(timeout=max(10, args.check_seconds - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            log, _ = p.communicate()
+            log += "\n(timed out)"
+        if os.path.exists(result):
+            checks += json.load(open(result))
+        else:
+            checks.append({"entry": fam, "pass": False, "error": log.strip()[-1500:]})
+        if p.returncode:
+            print(f"## {fam} worker exit {p.returncode}\n{log.strip()[-3000:]}", flush=True)
+    print(f"checks: {time.time() - t0:.0f} s", flush=True)
+    result = os.path.join(args.out, "timing.json")
+    cmd = [sys.executable, __file__, "worker-timing", "--bundle", args.bundle, "--result", result,
+           "--deadline", str(time.time() + args.timing_seconds - 60),
+           "--prefill-tokens", str(args.prefill_tokens),
+           "--prefill-families", args.prefill_families] + \
+        (["--compile-all"] if args.compile_all else [])
+    p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = p.communicate(timeout=args.timing_seconds)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        log, _ = p.communicate()
+        log += "\n(timed out)"
+    timing = json.load(open(result)) if os.path.exists(result) else []
+    if p.returncode:
+        print(f"## timing worker exit {p.returncode}\n{log.strip()[-3000:]}", flush=True)
+    report = {"gpu": gpu, "torch": torch.__version__, "arch": manifest["arch"],
+              "tvm": manifest["tvm"], "checks": checks, "timing": timing}
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = markdown(report)
+    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+        f.write(md)
+    print(md, flush=True)
+
+
+def markdown(report):
+    lines = [f"GPU: {report['gpu']}; torch {report['torch']}; kernels built for "
+             f"{report['arch']} by TVM {report['tvm']}.", "",
+             "| kernel chain | worst error (max abs / max ref) | bf16 rounding floor | result |",
+             "| --- | --- | --- | --- |"]
+    for r in report["checks"]:
+        if "error" in r:
+            lines.append(f"| {r['entry']} | {r['error'][:200]} | | FAIL |")
+        else:
+            worst = max(r["errors"], key=r["errors"].get)
+            lines.append(f"| {r['entry']} | {r['worst']:.2e} ({worst}) | {r['floor']:.1e} | "
+                         f"{'pass' if r['pass'] else 'FAIL'} |")
+    lines += ["", "| timing | TVM | PyTorch eager | torch.compile | other |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in report["timing"]:
+        if r["bench"] == "copy":
+            lines.append(f"| device copy | | | | {r['GB/s']:.0f} GB/s |")
+        elif r["bench"] == "decode":
+            lines.append(f"| decode {r['family']} {r['shape']} | {r['tvm_ms']:.3f} ms "
+                         f"({r['tvm_GB/s']:.0f} GB/s, {100 * r['share_of_copy_bw']:.0f}% of copy)"
+                         f" | {r['eager_ms']:.3f} ms | "
+                         f"{r.get('compiled_ms', float('nan')):.3f} ms | |")
+        elif "error" in r:
+            lines.append(f"| prefill {r['family']} | {r['error'][:300]} | | | |")
+        else:
+            lines.append(f"| prefill {r['family']} {r['shape']} (chunk {r['chunk']}) | "
+                         f"{r['tvm_ms']:.1f} ms | {r.get('torch_fp32_ms', float('nan')):.1f} ms "
+                         f"(bf16 work {r.get('torch_bf16_ms', float('nan')):.1f}) | "
+                         f"{r.get('torch_compiled_fp32_ms', float('nan')):.1f} ms | SDPA flash "
+                         f"{r.get('sdpa_flash_ms', float('nan')):.1f} ms; TVM error "
+                         f"{r.get('tvm_rel_err_vs_float64', float('nan')):.1e} |")
+            lines.append(f"| (prefill kernels, ms) | {r['tvm_kernels_ms']} | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="compile the bundle (needs TVM's compiler and nvcc)")
+    p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
+    p.add_argument("--arch", default="sm_90", help="CUDA architecture of the GPU (sm_90: H100, "
+                   "H200; sm_80: A100)")
+    p = sub.add_parser("run", help="run the checks and timings on the GPU")
+    p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--check-seconds", type=float, default=180)
+    p.add_argument("--timing-seconds", type=float, default=300)
+    p.add_argument("--prefill-tokens", type=int, default=32768)
+    p.add_argument("--prefill-families", default="hla2",
+                   help="comma-separated kernel families whose prefill is timed (hla2, hla2d, "
+                   "ahla, hla3; no decay)")
+    p.add_argument("--skip-checks", action="store_true", help="timings only")
+    p.add_argument("--compile-all", action="store_true",
+                   help="torch.compile every decode step (default: second order's)")
+    p = sub.add_parser("worker-checks")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--checks", required=True)
+    p.add_argument("--result", required=True)
+    p = sub.add_parser("worker-timing")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--deadline", type=float, required=True)
+    p.add_argument("--prefill-tokens", type=int, default=32768)
+    p.add_argument("--prefill-families", default="hla2")
+    p.add_argument("--compile-all", action="store_true")
+    args = ap.parse_args(argv)
+    if hasattr(args, "bundle"):
+        args.bundle = os.path.abspath(args.bundle)
+    {"prepare": prepare, "run": run, "worker-checks": worker_checks,
+     "worker-timing": worker_timing}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
