@@ -9,6 +9,9 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         (on the GPU machine: PyTorch with CUDA and apache-tvm-ffi; no TVM) runs the checks, each
         group of kernels in its own process (a kernel that faults or hangs fails its group
         alone), then the timings; prints Markdown tables and writes DIR/gpu_check.json and .md.
+    python benchmarks/gpu_check.py api [--out DIR] [--device cuda]
+        (on a GPU machine with TVM's compiler) `hla()` and `decode_()` on CUDA tensors against
+        the float64 reference: the user's path, kernels compiled there on first use.
 
 The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.kernels.chains`
 (neither needs TVM's compiler); the references are `hla_tvm.reference` in float64 on the GPU.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -62,7 +64,7 @@ def prepare(args):
 
     from hla_tvm import backend
     from hla_tvm.build import compile_kernels
-    from hla_tvm.device_code import compile_cuda, cuda_source
+    from hla_tvm.device_code import cuda_source, store
     from hla_tvm.kernels import chains
     from hla_tvm.target import resolve
 
@@ -96,13 +98,7 @@ def prepare(args):
         if not os.path.exists(path):
             kernels = backend.tuning_kernels(chain, d, d, chunk=chunk, group=group, **opts)
             exe = compile_kernels({name: f for name, (f, _) in kernels.items()}, target)
-            source = cuda_source(exe)
-            key = hashlib.sha256(source.encode()).hexdigest()
-            binary = os.path.join(bundle, "device", key + ".fatbin")
-            if not os.path.exists(binary):
-                with open(binary + ".tmp", "wb") as f:
-                    f.write(compile_cuda(source, [args.arch]))
-                os.replace(binary + ".tmp", binary)
+            store(os.path.join(bundle, "device"), cuda_source(exe), [args.arch])
             exe.export_library(path + ".tmp.so")
             os.replace(path + ".tmp.so", path)
         manifest["entries"][eid] = {
@@ -145,18 +141,9 @@ def load_runtime(bundle):
             break
     ctypes.CDLL(os.path.join(rt, "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
     arch = json.load(open(os.path.join(bundle, "manifest.json")))["arch"]
+    from hla_tvm.device_code import serve
 
-    def device_code(code, *_):
-        key = hashlib.sha256(code.encode()).hexdigest()
-        path = os.path.join(bundle, "device", key + ".fatbin")
-        if os.path.exists(path):
-            return open(path, "rb").read()
-        from hla_tvm.device_code import compile_cuda   # nvcc on this machine
-
-        print(f"  (device code {key[:12]} not in the bundle: nvcc here)", flush=True)
-        return compile_cuda(code, [arch])
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", device_code, override=True)
+    serve(os.path.join(bundle, "device"), arch)   # nvcc there builds any source not found
     return tvm_ffi
 
 
@@ -467,6 +454,55 @@ def time_prefill(kern, fam, T, deadline, emit):
         emit(row)
 
 
+def api(args):
+    """`hla_tvm.hla` and `decode_` on CUDA tensors, compiled on this machine (needs TVM's
+    compiler here, unlike `run`), against the float64 reference: every operator, with and
+    without decay, float32 and bfloat16, grouped heads, a prefill then a decode step."""
+    import torch
+
+    import hla_tvm
+    from hla_tvm.operators import OPERATORS
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.init()   # loads libcudart, which TVM's CUDA runtime links to
+    rows = []
+    cases = [(2, False, None, torch.float32, 1), (2, False, 0.95, torch.bfloat16, 2),
+             (2, True, None, torch.float32, 2), (3, False, 0.95, torch.float32, 1)]
+    for order, asym, decay, dtype, group in cases:
+        op = OPERATORS[(order, asym)]
+        name = f"{op.name} decay={decay} {str(dtype)[6:]} group={group}"
+        t0 = time.time()
+        try:
+            g = torch.Generator(device=dev).manual_seed(len(rows))
+            B, H, T, d = 2, 4, 100, 64
+            mk = lambda h, t: (torch.randn(B, h, t, d, device=dev, generator=g) * 0.5).to(dtype)  # noqa: E731
+            q, k, v = mk(H, T + 1), mk(H // group, T + 1), mk(H // group, T + 1)
+            o, st = hla_tvm.hla(q[:, :, :T], k[:, :, :T], v[:, :, :T], order=order,
+                                asymmetric=asym, decay=decay, return_state=True)
+            o1 = hla_tvm.decode_(q[:, :, T], k[:, :, T], v[:, :, T], st, order=order,
+                                 asymmetric=asym, decay=decay)
+            kf, vf = (x.double().repeat_interleave(group, 1) for x in (k, v))
+            ref, rst = op.ref.serial(q.double(), kf, vf, decay=decay)
+            err = max(rel_err(o, ref[:, :, :T]), rel_err(o1, ref[:, :, T]))
+            floor = rel_err(ref.to(dtype), ref)
+            for n, x in st.items():
+                want = rst[n][:, ::group] if n in op.kv_state else rst[n]
+                err = max(err, rel_err(x, want))
+            rows.append({"case": name, "error": err, "floor": floor, "device": str(o.device),
+                         "pass": err <= tolerance(str(dtype)[6:]) + floor,
+                         "seconds": round(time.time() - t0, 1)})
+        except Exception as err:
+            rows.append({"case": name, "fail": f"{type(err).__name__}: {err}"[:500],
+                         "pass": False})
+        print(json.dumps(rows[-1]), flush=True)
+    ok = sum(r["pass"] for r in rows)
+    print(f"hla()/decode_() on {dev} tensors: {ok} of {len(rows)} cases pass", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "api.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def run(args):
     """Checks in parallel processes, then the timings in one; tables and JSON to --out."""
     manifest = json.load(open(os.path.join(args.bundle, "manifest.json")))
@@ -585,6 +621,11 @@ def main(argv=None):
     p.add_argument("--skip-checks", action="store_true", help="timings only")
     p.add_argument("--compile-all", action="store_true",
                    help="torch.compile every decode step (default: second order's)")
+    p = sub.add_parser("api", help="hla()/decode_() on CUDA tensors (needs TVM's compiler on "
+                       "the GPU machine)")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--device", default="cuda", help="torch device (cpu: the same checks of the "
+                   "CPU kernels)")
     p = sub.add_parser("worker-checks")
     p.add_argument("--bundle", required=True)
     p.add_argument("--checks", required=True)
@@ -599,7 +640,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):
         args.bundle = os.path.abspath(args.bundle)
-    {"prepare": prepare, "run": run, "worker-checks": worker_checks,
+    {"prepare": prepare, "run": run, "api": api, "worker-checks": worker_checks,
      "worker-timing": worker_timing}[args.cmd](args)
 
 

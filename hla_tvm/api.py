@@ -32,7 +32,10 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     backend: "tvm" runs the compiled TensorIR kernels (T == 1 uses the decode kernel, longer inputs
         the chunked prefill with `chunk_size`); "torch" runs the PyTorch reference (chunk form,
         differentiable).
-    target: None or "llvm" for this CPU, or a dict / tvm.target.Target.
+    target: None for the tensors' device (this CPU; for CUDA tensors their GPU's architecture),
+        "llvm" for this CPU, a preset or a dict / tvm.target.Target (a CUDA one for CUDA
+        tensors, e.g. {"kind": "cuda", "arch": "sm_90"}). CUDA tensors run the CUDA kernels on
+        PyTorch's current stream of their device.
     schedules: "auto" (tuned records for the target where `hla-tvm tune` wrote them, else the
         default schedules), "default", or a records folder.
     Returns o [B, H, T, Dv] in q's dtype, or (o, state) with return_state=True.
@@ -92,7 +95,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
         mask = validate.attention_mask(mask, q.shape[0], 1)
         q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
     if state is None:
-        st = [torch.zeros(shape, dtype=plan.acc) for shape in plan.shapes]
+        st = [torch.zeros(shape, dtype=plan.acc, device=plan.device) for shape in plan.shapes]
     else:
         if not isinstance(state, dict) or len(state) != len(plan.names):
             return None
@@ -102,8 +105,8 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
             if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or \
                     x.shape != shape:
                 return None
-            st.append(private_copy(x, plan.acc))
-    out = torch.empty(plan.out_shape, dtype=plan.dtype)
+            st.append(private_copy(x.to(plan.device), plan.acc))
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     plan.run(*(validate.aligned(x.contiguous()) for x in (q, k, v)), st, out)
     return out, dict(zip(plan.names, st))
 
@@ -122,8 +125,8 @@ def _expand_groups(op, k, v, state, group):
 def _tvm_not_yet(op, *, decay, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming them."""
     missing = []
-    if device.type != "cpu":
-        missing.append(f"device {device} (CPU tensors only for now)")
+    if device.type not in ("cpu", "cuda"):
+        missing.append(f"device {device} (CPU and CUDA tensors only)")
     if missing:
         raise NotImplementedError("backend='tvm' does not support yet: " + "; ".join(missing)
                                   + " (backend='torch' does)")
@@ -158,14 +161,15 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
 
 def _zero_padding(x, mask):
     """x [B, H, T, D] with the padded tokens (mask [B, T] False) set to zero by selection."""
-    return torch.where(mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype))
+    return torch.where(mask.to(x.device)[:, None, :, None], x,
+                       torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
     from . import backend as tvm_backend
     from .kernels import chains
     from .reference._common import gamma
-    from .target import resolve
+    from .target import for_device
 
     B, H, T, dk = q.shape
     dv = v.shape[-1]
@@ -174,15 +178,16 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
             raise NotImplementedError("backend='tvm' does not support yet: attention_mask "
                                       "together with decay (backend='torch' does)")
         q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
+    tgt = for_device(q.device, target)
     acc = state_dtype(q.dtype)
     if state is None:
         shapes = op.state_shapes(B, H, k.shape[1], dk, dv)
-        st = {n: torch.zeros(shapes[n], dtype=acc) for n in op.state_names}
+        st = {n: torch.zeros(shapes[n], dtype=acc, device=q.device) for n in op.state_names}
     else:  # a private copy in the accumulation dtype: the kernels update it in place
-        st = {n: tvm_backend.private_copy(x, acc) for n, x in state.items()}
+        st = {n: tvm_backend.private_copy(x.to(q.device), acc) for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fam = chains.family(op.name, decayed=decay is not None, decode=False)
-    g = gamma(decay, torch.empty(1, H, 0, dtype=acc))[0].contiguous()
-    out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=resolve(target),
+    g = gamma(decay, torch.empty(1, H, 0, dtype=acc, device=q.device))[0].contiguous()
+    out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=tgt,
                               schedules=schedules, **tvm_backend.kernel_options(q.dtype, **opts))
     return out, st

@@ -6,6 +6,7 @@ The state is the reference's dict in the accumulation dtype (float32 for float16
 float32 inputs, float64 for float64), advanced in place; outputs come in the input dtype."""
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -217,20 +218,34 @@ def run_chain(chain, fns, env, out, chunk_size):
     return out
 
 
+def on_stream(device):
+    """The context the kernels run in for tensors on torch `device`: on a CUDA device, PyTorch's
+    current stream (kernels and PyTorch's work stay ordered); nothing on the CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import tvm_ffi
+
+    return tvm_ffi.use_torch_stream()
+
+
 def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto", **opts):
     """Outputs [B, H, T, dv] of kernel family `fam` for contiguous q [B, H, T, dk] and k, v with
     H or H / group heads (grouped key/value heads; one floating dtype);
     gamma [H] in the accumulation dtype (None where the chain takes none); `state` (the
     reference's names, accumulation dtype, contiguous, owned by the caller; the operator's
     key/value-only entries with the key/value heads) is advanced in place past the T tokens.
-    opts from `kernel_options`; schedules as for `module`."""
+    opts from `kernel_options`; schedules as for `module`. On a CUDA target the chunk is the
+    largest up to chunk_size whose tiles fit the GPU (`gpu_chunk`; outputs do not depend on it)."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
     group = q.shape[1] // k.shape[1]
+    if target.kind.name == "cuda":
+        chunk_size = gpu_chunk(chain, dk, dv, target, chunk=chunk_size, group=group, **opts)
     mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, schedules=schedules,
                  **opts)
     fns = functions(chain, mod, dk, dv, group)
     base = {"gamma": gamma, **state}
-    return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(
-        chain, fns, dict(base, q=q, k=k, v=v), out, chunk_size))
+    with on_stream(q.device):
+        return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(
+            chain, fns, dict(base, q=q, k=k, v=v), out, chunk_size))

@@ -48,7 +48,7 @@ class _Plan:
         from . import backend
         from .kernels import chains
         from .reference._common import gamma
-        from .target import resolve
+        from .target import for_device
 
         q4, k4, v4 = (x if x.dim() == 4 else x.unsqueeze(2) for x in (q, k, v))
         B, H, Hkv, T, dk, dv = validate.qkv(q4, k4, v4)
@@ -57,8 +57,8 @@ class _Plan:
                              f"{tuple(q.shape)}")
         op, eps, ridge, decay = validate.operator_options(
             order, asymmetric, masked, normalize, eps, ridge, decay, H, Hkv)
-        if q.device.type != "cpu":
-            raise NotImplementedError(f"decode_ runs CPU tensors only for now, got {q.device}")
+        tgt = for_device(q.device, target)   # (ValueError for other devices)
+        self.device = q.device
         self.group = H // Hkv
         self.acc = state_dtype(q.dtype)
         self.names = tuple(op.state_names)
@@ -71,10 +71,12 @@ class _Plan:
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
         opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
         chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
-        mod = backend.module(chain, dk, dv, resolve(target), group=H // Hkv,
+        mod = backend.module(chain, dk, dv, tgt, group=H // Hkv,
                              schedules=schedules, **backend.kernel_options(q.dtype, **opts))
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
-        self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc))[0].contiguous()
+        self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc,
+                                              device=q.device))[0].contiguous()
+        self.stream = (lambda: backend.on_stream(self.device)) if q.is_cuda else None
 
     def check_state(self, state):
         """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
@@ -88,7 +90,7 @@ class _Plan:
         for name, shape in zip(self.names, self.shapes):
             x = state.get(name)
             if type(x) is not torch.Tensor or x.shape != shape or x.dtype != self.acc or \
-                    not x.is_contiguous() or not x.is_cpu or x.data_ptr() % ALIGN:
+                    not x.is_contiguous() or x.device != self.device or x.data_ptr() % ALIGN:
                 self._explain(name, x, shape)
             out.append(x)
         return out
@@ -105,8 +107,8 @@ class _Plan:
         if x.dtype != self.acc:
             raise TypeError(f"state[{name!r}] must be {self.acc} for {self.dtype} inputs (it is "
                             f"updated in place), got {x.dtype}")
-        if x.device.type != "cpu":
-            raise ValueError(f"state[{name!r}] must be a CPU tensor, got {x.device}")
+        if x.device != self.device:
+            raise ValueError(f"state[{name!r}] must be on {self.device} as q is, got {x.device}")
         if not x.is_contiguous():
             raise ValueError(f"state[{name!r}] must be contiguous (it is updated in place)")
         raise ValueError(f"state[{name!r}] must start at a {ALIGN}-byte aligned address (it is "
@@ -126,6 +128,12 @@ class _Plan:
 
     def run(self, q, k, v, st, out):
         """o [B, H, 1, Dv] after one token; the tensors of `st` advanced in place."""
+        if self.stream is not None:   # CUDA: on PyTorch's current stream
+            with self.stream():
+                return self._run(q, k, v, st, out)
+        return self._run(q, k, v, st, out)
+
+    def _run(self, q, k, v, st, out):
         if self.group > 1:
             return self._run_grouped(q, k, v, st, out)
         self.fn(q, k, v, self.gamma, *st, out)
@@ -139,7 +147,9 @@ class _Plan:
         full = [_repeat_heads(x, g) if kv else x for x, kv in zip(st, self.kv)]
         self.fn(q, k, v, self.gamma, *full, out)
         for x, y, kv in zip(st, full, self.kv):
-            if kv:   # (numpy: copies on this thread, see backend.private_copy)
+            if kv and not x.is_cpu:
+                x.copy_(y.view(x.shape[0], x.shape[1], g, *x.shape[2:])[:, :, 0])
+            elif kv:   # (numpy: copies on this thread, see backend.private_copy)
                 np.copyto(x.numpy(), y.numpy().reshape(x.shape[0], x.shape[1], g,
                                                        *x.shape[2:])[:, :, 0])
         return out
@@ -148,6 +158,8 @@ class _Plan:
 def _repeat_heads(x, group):
     """x [B, Hkv, ...] with each head repeated `group` times: a new aligned tensor [B, H, ...],
     filled on this thread."""
+    if not x.is_cpu:
+        return x.repeat_interleave(group, 1)
     full = torch.empty(x.shape[0], x.shape[1] * group, *x.shape[2:], dtype=x.dtype)
     np.copyto(full.numpy().reshape(x.shape[0], x.shape[1], group, *x.shape[2:]),
               x.numpy()[:, :, None])
@@ -184,8 +196,8 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
 
     q [B, H, Dk] or [B, H, 1, Dk]; k [B, Hkv, Dk], v [B, Hkv, Dv] likewise (grouped heads when
     Hkv divides H). state: the dict `hla(..., return_state=True)` or `init_state` gave, its
-    tensors contiguous CPU tensors in the state dtype (float32, float64 for float64 inputs);
-    they are advanced in place (PyTorch's trailing-underscore convention). out: an optional
+    tensors contiguous, on q's device (CPU or CUDA), in the state dtype (float32, float64 for
+    float64 inputs); they are advanced in place (PyTorch's trailing-underscore convention). out: an optional
     preallocated output. target, schedules: as for `hla`. Returns o, [B, H, Dv] or
     [B, H, 1, Dv] as q, in q's dtype.
 
@@ -204,7 +216,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     q, k, v = aligned(q.contiguous()), aligned(k.contiguous()), aligned(v.contiguous())
     if plan.ndim == 3:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
-    o = torch.empty(plan.out_shape, dtype=plan.dtype) if out is None else \
+    o = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device) if out is None else \
         (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) else out
     if out is not None and o.data_ptr() % ALIGN:
         plan.check_out(out)

@@ -3,13 +3,18 @@
 TVM 0.27 keeps a CUDA module as CUDA C++ source and compiles it when the module is first loaded
 on a GPU (through the `tvm_callback_cuda_compile` hook, which `tvm.support.nvcc` provides).
 Building the same source here with nvcc proves the device code compiles for each architecture
-before any GPU sees it, and gives the binaries a runtime-only machine can load."""
+before any GPU sees it, and gives the binaries a runtime-only machine can load: `store` keeps
+them in a folder by the source's sha256, and `serve` registers the hook that returns them."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+
+HOOK = "tvm_callback_cuda_compile"
 
 
 def cuda_source(executable):
@@ -57,3 +62,40 @@ def compile_cuda(source, archs, fmt="fatbin"):
             raise ValueError(f"nvcc failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
         with open(out, "rb") as f:
             return f.read()
+
+
+def stored_path(folder, source):
+    """Where `store` keeps the device code of CUDA `source` in `folder`."""
+    return os.path.join(folder, hashlib.sha256(source.encode()).hexdigest() + ".fatbin")
+
+
+def store(folder, source, archs):
+    """The path of the device code of `source` for `archs` in `folder`, built with nvcc
+    (`compile_cuda`) unless it is there already."""
+    path = stored_path(folder, source)
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(compile_cuda(source, archs))
+        os.replace(tmp, path)
+    return path
+
+
+def serve(folder, arch, *, override=True):
+    """Register TVM's `tvm_callback_cuda_compile` hook (called when a module holding CUDA source
+    is loaded) to return the device code `store` keeps in `folder`, building what is missing
+    with nvcc for `arch` ("sm_90"). override=False keeps a hook already registered (TVM's own,
+    where its compiler is installed). Returns the hook in force."""
+    import tvm_ffi
+
+    current = tvm_ffi.get_global_func(HOOK, allow_missing=True)
+    if current is not None and not override:
+        return current
+
+    def device_code(source, *_):
+        with open(store(folder, source, [arch]), "rb") as f:
+            return f.read()
+
+    tvm_ffi.register_global_func(HOOK, device_code, override=True)
+    return tvm_ffi.get_global_func(HOOK)

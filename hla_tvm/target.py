@@ -87,6 +87,44 @@ def resolve(target):
     return tgt
 
 
+def device_arch(device):
+    """The CUDA architecture name ("sm_90") of a torch CUDA device."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def for_device(device, target=None):
+    """The resolved target for tensors on torch `device`: `resolve(target)` for CPU tensors
+    (target None: this CPU); for CUDA tensors target None gives the device's own architecture
+    (`device_arch`), and a given target must be a CUDA one. ValueError naming the device and the
+    target otherwise (other devices are not supported)."""
+    if device.type == "cpu":
+        tgt = resolve(target)
+        if tgt.kind.name != "llvm":
+            raise ValueError(f"target={target!r} is a {tgt.kind.name} target, but the tensors "
+                             "are on the CPU: move them to the GPU (.cuda()) or give a CPU "
+                             "target")
+        return tgt
+    if device.type != "cuda":
+        raise ValueError(f"tensors on {device} are not supported: give CPU or CUDA tensors")
+    if target is None or (isinstance(target, str) and target.strip() in HOST_ALIASES):
+        if target is not None:
+            raise ValueError(f"target={target!r} is this CPU, but the tensors are on {device}")
+        return _cuda_target(device_arch(device))
+    tgt = resolve(target)
+    if tgt.kind.name != "cuda":
+        raise ValueError(f"target={target!r} is a {tgt.kind.name} target, but the tensors are "
+                         f"on {device}: give a CUDA target or leave target=None")
+    return tgt
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(arch):
+    return resolve({"kind": "cuda", "arch": arch})
+
+
 def _with_cuda_limits(tgt, given):
     """A CUDA target with its architecture's limits (`CUDA_SHARED_MEMORY`, `CUDA_LIMITS`)
     where it does not state them, as TVM would otherwise ask a GPU this machine may not have;

@@ -149,3 +149,55 @@ def test_chains_and_backend_import_without_tvm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hla3_chunk_output"
+
+
+def test_target_follows_the_tensors_device(monkeypatch):
+    import torch
+
+    import hla_tvm
+    from hla_tvm.target import for_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    assert str(for_device(gpu).attrs["arch"]) == "sm_90"
+    assert int(for_device(gpu).attrs["max_shared_memory_per_block"]) == \
+        CUDA_SHARED_MEMORY["sm_90"]
+    assert str(for_device(gpu, {"kind": "cuda", "arch": "sm_80"}).attrs["arch"]) == "sm_80"
+    with pytest.raises(ValueError, match="CUDA target"):
+        for_device(gpu, "x86-64")
+    with pytest.raises(ValueError, match="this CPU"):
+        for_device(gpu, "llvm")
+    assert for_device(torch.device("cpu")).kind.name == "llvm"
+    with pytest.raises(ValueError, match="on the CPU"):
+        for_device(torch.device("cpu"), "cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        for_device(torch.device("meta"))
+    # the operators refuse a CUDA target for CPU tensors before any work
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="on the CPU"):
+        hla_tvm.hla(q, q, q, target="cuda")
+    st = hla_tvm.init_state(1, 2, 8)
+    with pytest.raises(ValueError, match="on the CPU"):
+        hla_tvm.decode_(q[:, :, 0], q[:, :, 0], q[:, :, 0], st, target="cuda")
+
+
+@pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
+def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
+    import tvm_ffi
+
+    from hla_tvm.device_code import HOOK, serve, stored_path
+
+    source = 'extern "C" __global__ void one(float* x) { x[threadIdx.x] = 1.0f; }\n'
+    before = tvm_ffi.get_global_func(HOOK, allow_missing=True)
+    try:
+        hook = serve(str(tmp_path), "sm_90")
+        binary = bytes(hook(source))
+        path = stored_path(str(tmp_path), source)
+        assert open(path, "rb").read() == binary and b"one" in binary
+        with open(path, "wb") as f:   # served from the folder, not built again
+            f.write(b"stored")
+        assert bytes(hook(source)) == b"stored"
+        assert serve(str(tmp_path / "other"), "sm_80", override=False).same_as(hook)
+    finally:
+        if before is not None:
+            tvm_ffi.register_global_func(HOOK, before, override=True)
