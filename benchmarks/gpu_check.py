@@ -9,6 +9,10 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         (on the GPU machine: PyTorch with CUDA and apache-tvm-ffi; no TVM) runs the checks, each
         group of kernels in its own process (a kernel that faults or hangs fails its group
         alone), then the timings; prints Markdown tables and writes DIR/gpu_check.json and .md.
+    python benchmarks/gpu_check.py models [--out DIR]
+        (on the GPU machine: TVM's runtime alone) the bundle's compiled models (a tiny HLALM and
+        the shipped demo model, `hla-tvm compile --target cuda`) through
+        `hla_tvm.runtime.load(device="cuda")` against their checkpoints in PyTorch.
     python benchmarks/gpu_check.py api [--out DIR] [--device cuda]
         (on a GPU machine with TVM's compiler) `hla()` and `decode_()` on CUDA tensors against
         the float64 reference: the user's path, kernels compiled there on first use.
@@ -47,7 +51,10 @@ OPERATOR = {"hla2": "hla2", "hla2d": "hla2", "ahla": "ahla", "hla3": "hla3"}
 CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2d", "ahla", "hla3")
           for dtype in ("float32", "bfloat16") for d in (64, 128)] + [
     ("hla2", "float32", 64, 1, True), ("hla2d", "float32", 64, 2, False),
-    ("ahla", "bfloat16", 64, 2, True), ("hla3", "float32", 64, 2, False)]
+    ("ahla", "bfloat16", 64, 2, True), ("hla3", "float32", 64, 2, False),
+    # head size 8 with chunks of 16: the tiny model whose compiled CUDA prefill was wrong past
+    # one chunk on the H200 (docs/cuda.md)
+    ("hla2", "float32", 8, 1, False), ("hla2d", "float32", 8, 1, False)]
 DECODE_TIMED = ("hla2d", "ahla", "hla3")   # B64 H32 D128 float32
 
 
@@ -92,7 +99,8 @@ def prepare(args):
         seen.add(eid)
         path = os.path.join(bundle, "modules", eid + ".so")
         decode = chain.calls[0].kernel == "decode"
-        chunk = None if decode else backend.gpu_chunk(chain, d, d, target, chunk=64, group=group,
+        chunk = None if decode else backend.gpu_chunk(chain, d, d, target,
+                                                      chunk=64 if d >= 32 else 16, group=group,
                                                       **opts)
         t0 = time.time()
         if not os.path.exists(path):
@@ -115,6 +123,7 @@ def prepare(args):
                         "--python-version", "3.12", "--implementation", "cp",
                         "--platform", "manylinux_2_28_x86_64", "-d",
                         os.path.join(bundle, "wheels"), FFI_WHEEL], check=True)
+    prepare_models(bundle, args.arch)
     with open(os.path.join(bundle, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(bundle, "**"), recursive=True)
@@ -134,15 +143,10 @@ def load_runtime(bundle):
     torch.cuda.init()
     rt = os.path.join(bundle, "runtime")
     ctypes.CDLL(os.path.join(rt, "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
-    for pattern in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.13"):
-        found = [p for d in sys.path for p in glob.glob(os.path.join(d, pattern))]
-        if found:
-            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
-            break
-    ctypes.CDLL(os.path.join(rt, "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
-    arch = json.load(open(os.path.join(bundle, "manifest.json")))["arch"]
-    from hla_tvm.device_code import serve
+    from hla_tvm.device_code import load_cuda_runtime, serve
 
+    load_cuda_runtime(rt)
+    arch = json.load(open(os.path.join(bundle, "manifest.json")))["arch"]
     serve(os.path.join(bundle, "device"), arch)   # nvcc there builds any source not found
     return tvm_ffi
 
@@ -227,7 +231,12 @@ def check_entry(kern, fam, dtype_name, d, group, normalize, seed=0, device="cuda
              for n, x in st0.items()}
     env = {"q": q[:, :, T0:T0 + T].contiguous(), "k": k[:, :, T0:T0 + T].contiguous(),
            "v": v[:, :, T0:T0 + T].contiguous(), "gamma": gamma, **state}
-    out = torch.empty(B, H, T, d, dtype=dtype, device=device)
+    # scratch and output start as NaN: a kernel reading an element no kernel wrote shows up
+    # (fresh GPU memory is zeros, which can hide it)
+    from hla_tvm import backend
+
+    backend._SCRATCH.buf = torch.full((1 << 24,), float("nan"), device=device)
+    out = torch.full((B, H, T, d), float("nan"), dtype=dtype, device=device)
     kern.run(pid, env, out)
     kern.synchronize()
     errs = {"o": rel_err(out, o_ref)}
@@ -503,6 +512,119 @@ def api(args):
         json.dump(rows, f, indent=1)
 
 
+MODELS = {"tiny": None, "demo": os.path.join(ROOT, "hla_tvm", "data", "stdlib-hla2.pt")}
+
+
+def prepare_models(bundle, arch):
+    """Compile the check's models for the GPU: a tiny decayed HLALM (its checkpoint written
+    beside) and the shipped demo model."""
+    import torch
+
+    from hla_tvm import compile as compile_model
+    from hla_tvm.models import HLALM
+
+    os.makedirs(os.path.join(bundle, "models"), exist_ok=True)
+    for name, checkpoint in MODELS.items():
+        if checkpoint is None:
+            torch.manual_seed(0)
+            checkpoint = os.path.join(bundle, "models", f"{name}.pt")
+            HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99]).save(checkpoint)
+        else:
+            shutil.copy2(checkpoint, os.path.join(bundle, "models", f"{name}.pt"))
+        t0 = time.time()
+        compile_model(HLALM.load(checkpoint), target={"kind": "cuda", "arch": arch},
+                      out=os.path.join(bundle, "models", f"{name}.so"))
+        print(f"model {name}: {time.time() - t0:.1f} s", flush=True)
+
+
+def model_worker(args):
+    """(no torch in this process: TVM's runtime alone) prefill, decode steps and decode speed
+    of a compiled model on the GPU; arrays to args.result (.npz)."""
+    import numpy as np
+
+    from hla_tvm.runtime import load
+
+    assert "torch" not in sys.modules
+    m = load(args.module, device=args.device)
+    tokens = np.load(args.tokens)
+    t0 = args.prompt
+    st = m.init_state(tokens.shape[0])
+    prefill, st = m.prefill(tokens[:, :t0], st)
+    steps = []
+    for t in range(t0, tokens.shape[1]):
+        logits, st = m.decode(tokens[:, t], st)
+        steps.append(logits)
+    one = m.init_state(1)
+    for i in range(10):
+        _, one = m.decode(np.array([i % 7]), one)
+    n, start = 300, time.perf_counter()
+    for i in range(n):
+        _, one = m.decode(np.array([i % 7]), one)
+    tokps = n / (time.perf_counter() - start)
+    np.savez(args.result, prefill=prefill, decode=np.stack(steps, 1), tokps=tokps)
+
+
+def _eager_decode(model):
+    """Tokens per second of `model` (float32, PyTorch eager on the GPU) decoding one sequence."""
+    import torch
+
+    model = model.float().cuda()
+    with torch.no_grad():
+        st = [{n: x.cuda() for n, x in layer.items()} for layer in model.init_state(1)]
+        tok = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
+        for _ in range(10):
+            _, st = model(tok, st)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(300):
+            _, st = model(tok.fill_(i % 7), st)
+        torch.cuda.synchronize()
+    return 300 / (time.perf_counter() - start)
+
+
+def models(args):
+    """Each compiled model of the bundle, run by `hla_tvm.runtime.load(device="cuda")` in a
+    process without torch, against its checkpoint in PyTorch (float64, CPU); decode speed beside
+    PyTorch eager on the same GPU."""
+    import numpy as np
+    import torch
+
+    from hla_tvm.models import HLALM
+
+    rows = []
+    for name in MODELS:
+        so = os.path.join(args.bundle, "models", f"{name}.so")
+        model = HLALM.load(os.path.join(args.bundle, "models", f"{name}.pt")).eval()
+        vocab = model.config["vocab_size"]
+        tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 40))
+        tok_path = os.path.join(args.out, f"{name}-tokens.npy")
+        result = os.path.join(args.out, f"{name}-gpu.npz")
+        os.makedirs(args.out, exist_ok=True)
+        np.save(tok_path, tokens)
+        run_ = subprocess.run([sys.executable, __file__, "model-worker", "--module", so,
+                               "--tokens", tok_path, "--prompt", "30", "--result", result,
+                               "--device", args.device],
+                              capture_output=True, text=True, timeout=300)
+        if run_.returncode:
+            rows.append({"model": name, "pass": False, "error": run_.stderr.strip()[-1500:]})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        got = np.load(result)
+        with torch.no_grad():
+            ref = model.double()(torch.from_numpy(tokens), None)[0].numpy()
+        eager = None
+        if args.device == "cuda":
+            eager = _eager_decode(model)
+        scale = np.abs(ref).max()
+        err = max(np.abs(got["prefill"] - ref[:, :30]).max(), np.abs(got["decode"] -
+                                                                    ref[:, 30:]).max()) / scale
+        rows.append({"model": name, "rel_err": float(err), "pass": bool(err < 1e-3),
+                     "decode_tok_s": float(got["tokps"]), "eager_gpu_tok_s": eager})
+        print(json.dumps(rows[-1]), flush=True)
+    with open(os.path.join(args.out, "models.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def run(args):
     """Checks in parallel processes, then the timings in one; tables and JSON to --out."""
     manifest = json.load(open(os.path.join(args.bundle, "manifest.json")))
@@ -626,6 +748,17 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     p.add_argument("--device", default="cuda", help="torch device (cpu: the same checks of the "
                    "CPU kernels)")
+    p = sub.add_parser("models", help="compiled models on the GPU with the TVM runtime alone, "
+                       "against PyTorch")
+    p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--device", default="cuda")
+    p = sub.add_parser("model-worker")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--module", required=True)
+    p.add_argument("--tokens", required=True)
+    p.add_argument("--prompt", type=int, required=True)
+    p.add_argument("--result", required=True)
     p = sub.add_parser("worker-checks")
     p.add_argument("--bundle", required=True)
     p.add_argument("--checks", required=True)
@@ -640,7 +773,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):
         args.bundle = os.path.abspath(args.bundle)
-    {"prepare": prepare, "run": run, "api": api, "worker-checks": worker_checks,
+    {"prepare": prepare, "run": run, "api": api, "models": models,
+     "model-worker": model_worker, "worker-checks": worker_checks,
      "worker-timing": worker_timing}[args.cmd](args)
 
 

@@ -61,17 +61,23 @@ def _key_blob(spec: dict, target) -> str:
 TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tuned record
 
 
-def schedule_module(mod, target):
-    """Apply the default schedule of the target's kind (`schedule.cpu` for llvm,
-    `schedule.cuda` for cuda) to every function of `mod` that is not scheduled from a tuned
-    record already."""
-    import tvm
-
+def default_rules(target):
+    """The default schedule of an HLA kernel for the target's kind: `schedule.cpu.scheduled`
+    for llvm, `schedule.cuda.scheduled` for cuda (each takes (func, target))."""
     from .schedule import cpu, cuda
 
     rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)
     if rules is None:
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
+    return rules
+
+
+def schedule_module(mod, target):
+    """Apply `default_rules(target)` to every function of `mod` that is not scheduled from a
+    tuned record already."""
+    import tvm
+
+    rules = default_rules(target)
     return tvm.IRModule({gv: mod[gv] if mod[gv].attrs and TUNED in mod[gv].attrs
                          else rules(mod[gv], target) for gv in mod.get_global_vars()})
 

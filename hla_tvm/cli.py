@@ -159,19 +159,32 @@ def _decays(text):
     return values[0] if len(values) == 1 else values
 
 
+def _describe(tgt):
+    """A target in a few words: the CPU name or triple, or cuda and the GPU architecture."""
+    if tgt.kind.name == "cuda":
+        return f"cuda {tgt.attrs.get('arch')}"
+    return str(tgt.attrs.get("mcpu") or tgt.attrs.get("mtriple") or tgt.kind.name)
+
+
 def _compile(args):
-    from .compiler import resolve_cpu_target
+    from .compiler import resolve_model_target
     from .target import parse
 
     target = parse(args.target)
-    tgt = resolve_cpu_target(target)   # a bad target fails before any model work
+    if args.arch is not None:
+        kind = target if isinstance(target, str) else (target or {}).get("kind") \
+            if isinstance(target, dict) else None
+        if kind != "cuda":
+            raise ValueError(f"--arch {args.arch} applies to CUDA targets: give --target cuda")
+        target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}
+    tgt = resolve_model_target(target)   # a bad target fails before any model work
     if args.checkpoint.endswith(".onnx"):
         from .onnx import compile as compile_onnx
 
         if args.max_batch is not None:
             raise ValueError("--max-batch applies to checkpoints, not ONNX models")
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
-              f"{tgt.attrs.get('mcpu') or tgt.attrs.get('mtriple') or tgt.kind.name} ...", flush=True)
+              f"{_describe(tgt)} ...", flush=True)
         out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
                            schedules=args.schedules)
     else:
@@ -180,7 +193,7 @@ def _compile(args):
 
         model = HLALM.load(args.checkpoint)
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
-              f"parameters) for {tgt.attrs.get('mcpu') or tgt.attrs.get('mtriple') or tgt.kind.name} ...", flush=True)
+              f"parameters) for {_describe(tgt)} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
                             schedules=args.schedules)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
@@ -217,13 +230,14 @@ def _run(args):
     from .runtime import load
 
     if args.info:
-        print(_module_info(args.module, load(args.module, threads=args.threads).meta))
+        print(_module_info(args.module, load(args.module, args.device,
+                                             threads=args.threads).meta))
         return 0
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give --prompt TEXT (byte-level models) or --prompt-ids 1,2,3 "
                          "(or --info to describe the module)")
     prompt = encode_text(args.prompt) if args.prompt is not None else _prompt_ids(args.prompt_ids)
-    m = load(args.module, threads=args.threads)
+    m = load(args.module, args.device, threads=args.threads)
     if args.prompt is not None and m.vocab != "bytes":
         raise ValueError(f"{args.module}: --prompt TEXT needs a byte-level model (this one's "
                          f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
@@ -426,8 +440,12 @@ def build_parser():
                                       "hla_tvm::HLA nodes")
     k.add_argument("-o", "--output", default="model.so", help="output library")
     k.add_argument("--target", default="llvm",
-                   help='"llvm" for this CPU, a TVM target as JSON, e.g. '
-                        '\'{"kind": "llvm", "mcpu": "znver4"}\', or a target string TVM parses')
+                   help='"llvm" for this CPU, a preset (x86-64, aarch64, cuda), a TVM target '
+                        'as JSON, e.g. \'{"kind": "llvm", "mcpu": "znver4"}\', or a target '
+                        'string TVM parses')
+    k.add_argument("--arch", default=None, metavar="sm_XY",
+                   help="with --target cuda: the GPU architecture (sm_80 A100, sm_86, sm_89, "
+                        "sm_90 H100/H200; default sm_80)")
     k.add_argument("--max-batch", type=_positive, default=None,
                    help="upper bound of the batch size (lets TVM plan memory statically; "
                         "larger batches are refused at run time)")
@@ -474,6 +492,9 @@ def build_parser():
     r.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
                         "physical core)")
+    r.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                   help="where the module runs: cpu, or the GPU for a module compiled with "
+                        "--target cuda")
     r.set_defaults(func=_run)
 
     u = command("bundle", help="a folder with a compiled module and what runs it without TVM's "

@@ -63,11 +63,14 @@ def _unflatten(flat, layout):
     return out
 
 
-def to_relax(model, *, max_batch=None):
+def to_relax(model, *, max_batch=None, target=None):
     """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
-    forward(tokens, state) -> (logits, state) and init_state(batch))."""
+    forward(tokens, state) -> (logits, state) and init_state(batch)). For a CUDA `target`:
+    `decode` alone for now (a CUDA model's prefill gave wrong outputs past one chunk on an H200
+    while its decode was right; the runtime then runs prompts token by token; docs/cuda.md)."""
     from torch.export import Dim
 
+    from .frontend.relax_hla import chunks_for
     from .frontend.torch_export import import_exported
 
     model = copy.deepcopy(model).eval().float()   # the caller's module stays as it was
@@ -78,11 +81,12 @@ def to_relax(model, *, max_batch=None):
     st2 = _flatten(model.init_state(2))
     state_dims = tuple({0: batch} for _ in st2)
     mods = {}
-    with torch.no_grad():
-        ep = torch.export.export(
-            _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
-            dynamic_shapes=({0: batch, 1: seq}, state_dims))
-        mods["prefill"] = import_exported(ep)
+    with torch.no_grad(), chunks_for(target):
+        if target is None or target.kind.name != "cuda":
+            ep = torch.export.export(
+                _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
+                dynamic_shapes=({0: batch, 1: seq}, state_dims))
+            mods["prefill"] = import_exported(ep)
         ep = torch.export.export(
             _Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
             dynamic_shapes=({0: batch}, state_dims))
@@ -114,8 +118,10 @@ def prepare(mod, target):
 
 
 def legalize(mod, target):
-    """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's CPU
-    library-dispatch and legalization passes), the form whose functions are scheduled."""
+    """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's generic
+    library-dispatch and legalization passes), the form whose functions are scheduled. (TVM's
+    CUDA legalization is the same plus dlight's schedules, which `lowering_pipeline` applies
+    after the HLA kernels are scheduled.)"""
     import tvm
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
@@ -126,12 +132,21 @@ def legalize(mod, target):
 
 def lowering_pipeline(target):
     """The Relax pipeline after `legalize` and `schedule.model.schedule_model`: default
-    schedules for the functions not scheduled yet (`MatmulTiles` for x @ W[K, N] with its
-    epilogue, dlight's CPU GEMV and reduction rules, then `ParallelFallback`), then TVM's CPU
-    lowering and finalization passes."""
+    schedules for the functions not scheduled yet, then TVM's lowering and finalization passes
+    for the target's kind. CPU: `MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU
+    GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
+    Reduction, GeneralReduction, Fallback)."""
     import tvm
-    from tvm.relax.backend.cpu_generic import pipeline as cpu
     from tvm.s_tir import dlight as dl
+
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline as passes
+
+        return tvm.transform.Sequential(
+            [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                     dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+            + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     from .schedule.cpu.matmul_tiles import MatmulTiles
     from .schedule.cpu.parallel_fallback import ParallelFallback
@@ -174,7 +189,9 @@ def _with_meta(mod, meta):
 def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None):  # noqa: A001
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU; a preset such as "aarch64", cross-linked with
-    aarch64-linux-gnu-gcc; a TVM target dict) and write the library to `out`. Returns `out`.
+    aarch64-linux-gnu-gcc; "cuda" or {"kind": "cuda", "arch": "sm_90"} for an NVIDIA GPU, the
+    library then holding the kernels' CUDA source, built for the GPU when loaded; a TVM target
+    dict) and write the library to `out`. Returns `out`.
 
     schedules: "auto" uses the tuned records for the target (the user's, else the shipped
     `schedules/<target>/`) where they exist and the default schedules for kernels without
@@ -189,7 +206,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                   or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
-    tgt = resolve_cpu_target(target)
+    tgt = resolve_model_target(target)
     records_path = records_folder(schedules, tgt)
     from .models.hlalm import weights_digest
 
@@ -198,7 +215,9 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "vocab_size": int(config["vocab_size"]) if config else None,
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict())}
-    mod = to_relax(model, max_batch=max_batch)
+    if tgt.kind.name == "cuda":
+        meta["entries"] = ["decode"]   # (see to_relax)
+    mod = to_relax(model, max_batch=max_batch, target=tgt)
     return build(mod, meta, tgt, out, records_path)
 
 
@@ -213,28 +232,36 @@ def records_folder(schedules, target):
     return path
 
 
-def resolve_cpu_target(target):
+def resolve_model_target(target):
     """The tvm.target.Target for `target` (checked: ValueError/TypeError for a bad one, or
-    for another architecture whose cross linker is missing); NotImplementedError for non-CPU
-    kinds (for now)."""
+    for another CPU architecture whose cross linker is missing); NotImplementedError for kinds
+    other than llvm (CPU) and cuda."""
     from .target import resolve
 
     tgt = resolve(target)
-    if tgt.kind.name != "llvm":
-        raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} comes "
-                                  "with the CUDA deployment work; use an llvm (CPU) target")
+    if tgt.kind.name not in ("llvm", "cuda"):
+        raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} is not "
+                                  "supported; use an llvm (CPU) or cuda target")
     cross_compiler(tgt)
     return tgt
 
 
 def build(mod, meta, target, out, records_path=None):
-    """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for the CPU
-    `target`, its HLA kernels and projections scheduled from the records folder `records_path`
-    where it holds their records, and write the sealed library to `out` (atomically). Returns
+    """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for
+    `target` (`executable`) and write the sealed library to `out` (atomically). Returns
     `out`."""
+    from . import libfile
+
+    return libfile.export(executable(mod, meta, target, records_path), out,
+                          cc=cross_compiler(target))
+
+
+def executable(mod, meta, target, records_path=None):
+    """`tvm.compile` of the Relax module `mod` with `meta` embedded for `target`, its HLA
+    kernels and projections scheduled from the records folder `records_path` where it holds
+    their records (the default schedules elsewhere)."""
     import tvm
 
-    from . import libfile
     from .schedule import records
     from .schedule.model import schedule_model
 
@@ -245,5 +272,4 @@ def build(mod, meta, target, out, records_path=None):
         **used}}
     mod = _with_meta(mod, meta)
     with target:
-        exe = tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target))
-    return libfile.export(exe, out, cc=cross_compiler(target))
+        return tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target))

@@ -20,10 +20,12 @@ HOOK = "tvm_callback_cuda_compile"
 def cuda_source(executable):
     """The CUDA C++ source of the device kernels in a `tvm.compile` result (or a loaded
     module); ValueError when it holds no CUDA module."""
-    mod = getattr(executable, "mod", executable)
-    for imp in mod.imports:
-        if imp.kind == "cuda":
-            return imp.inspect_source()
+    todo = [getattr(executable, "mod", executable)]
+    while todo:   # (a compiled model's kernels sit one import further down)
+        for imp in todo.pop().imports:
+            if imp.kind == "cuda":
+                return imp.inspect_source()
+            todo.append(imp)
     raise ValueError("the module holds no CUDA device code")
 
 
@@ -99,3 +101,23 @@ def serve(folder, arch, *, override=True):
 
     tvm_ffi.register_global_func(HOOK, device_code, override=True)
     return tvm_ffi.get_global_func(HOOK)
+
+
+def load_cuda_runtime(lib_dir):
+    """Load TVM's CUDA runtime (`libtvm_runtime_cuda.so` in `lib_dir`, beside
+    libtvm_runtime.so, which must be loaded already) into the process, with the CUDA runtime
+    library it links to (libcudart.so.13: already loaded by PyTorch, else from the NVIDIA wheels
+    or the CUDA toolkit). OSError naming what is missing."""
+    import ctypes
+    import glob
+    import sys
+
+    for pattern in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.13"):
+        found = [p for d in sys.path if d for p in glob.glob(os.path.join(d, pattern))]
+        if found:
+            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+            break
+    path = os.path.join(lib_dir, "libtvm_runtime_cuda.so")
+    if not os.path.isfile(path):
+        raise OSError(f"TVM's CUDA runtime is missing: no {path}")
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

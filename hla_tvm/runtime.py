@@ -53,9 +53,44 @@ def _import_tvm_runtime():
 
 
 def load(path, device="cpu", threads=None):
-    """The compiled model at `path` on `device` ("cpu" for now), its kernels run by `threads`
-    threads (None: $TVM_NUM_THREADS when set, else one per physical core)."""
+    """The compiled model at `path` on `device`: "cpu" for a module compiled for a CPU target,
+    "cuda" or "cuda:N" for one compiled for a CUDA target (the state then lives on that GPU);
+    CPU kernels run by `threads` threads (None: $TVM_NUM_THREADS when set, else one per
+    physical core)."""
     return CompiledModel(path, device, threads)
+
+
+def _parse_device(device):
+    """("cpu", 0) or ("cuda", N) for a device name; ValueError otherwise."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind in ("cpu", "cuda") and (index == "" or index.isdigit()) and \
+            not (kind == "cpu" and index not in ("", "0")):
+        return kind, int(index or 0)
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _cuda_device(tvm, index):
+    """TVM's CUDA device `index`, its runtime loaded (a runtime-only TVM does not load it) and
+    a device-code hook registered for modules holding CUDA source (`device_code.serve`, unless
+    TVM's own is there)."""
+    from .build import cache_dir
+    from .device_code import load_cuda_runtime, serve
+
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is None:
+        try:
+            load_cuda_runtime(os.path.join(os.path.dirname(tvm.__file__), "lib"))
+        except OSError as err:
+            raise ValueError(f"device='cuda': TVM's CUDA runtime cannot be loaded ({err})") \
+                from None
+    dev = tvm.cuda(index)
+    if not dev.exist:
+        raise ValueError(f"device='cuda:{index}': no such GPU here")
+    arch = "sm_" + dev.compute_version.replace(".", "")
+    # (a runtime-only TVM registers its own hook, which needs the compiler: replaced)
+    serve(os.path.join(cache_dir(), "device"), arch,
+          override=bool(getattr(tvm, "_RUNTIME_ONLY", False)))
+    return dev
 
 
 def physical_cores():
@@ -105,16 +140,22 @@ class CompiledModel:
     def __init__(self, path, device="cpu", threads=None):
         tvm = _import_tvm_runtime()
 
-        if device != "cpu":
-            raise ValueError(f"device must be 'cpu' for now, got {device!r}")
+        kind, index = _parse_device(device)
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
         self.threads = set_threads(threads)
-        # checked before the loader maps it: a bad file must not crash the process
-        self._lib = libfile.load(path)
         self._tvm = tvm
-        self.device = tvm.cpu()
+        self.device = tvm.cpu() if kind == "cpu" else _cuda_device(tvm, index)
+        self.on_gpu = kind == "cuda"
+        # checked before the loader maps it: a bad file must not crash the process
+        try:
+            self._lib = libfile.load(path)
+        except ValueError as err:
+            if "load_from_bytes.cuda" in str(err):
+                raise ValueError(f"{path} was compiled for an NVIDIA GPU: load it with "
+                                 "device='cuda' on a machine with one") from None
+            raise
         self._local = threading.local()
         try:
             raw = self._vm()[META_FUNC]()
@@ -260,11 +301,14 @@ class CompiledModel:
     def _run(self, entry, tokens, state):
         vm = self._vm()
         state = self._check_state(state, tokens.shape[0])
+        batch = tokens.shape[0]
+        if self.on_gpu:   # the module's inputs live on its device
+            tokens = self._tvm.runtime.tensor(tokens, self.device)
         res = list(vm[entry](tokens, *state))
         new_state = res[1:]
         # a copy: the caller's list may change
-        self._local.issued = (tuple(new_state), tokens.shape[0])
-        return np.from_dlpack(res[0]).copy(), new_state
+        self._local.issued = (tuple(new_state), batch)
+        return (res[0].numpy() if self.on_gpu else np.from_dlpack(res[0]).copy()), new_state
 
 
 def _batch_of(state):

@@ -8,7 +8,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from tvm import te  # noqa: E402
 
-from hla_tvm.compiler import resolve_cpu_target  # noqa: E402
+from hla_tvm.compiler import resolve_model_target  # noqa: E402
 from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, is_outer_matmul  # noqa: E402
 from hla_tvm.schedule.cpu.parallel_fallback import ParallelFallback  # noqa: E402
 
@@ -35,7 +35,7 @@ def _matmul_silu(rows, k, n, lead=()):
 
 
 def _run(func, rule, shapes):
-    tgt = resolve_cpu_target("llvm")
+    tgt = resolve_model_target("llvm")
     sch = rule.apply(func.with_attr("global_symbol", "main"), tgt, False)
     assert sch is not None, "the rule declined the function"
     with tgt:
@@ -75,7 +75,7 @@ def test_is_outer_matmul_rejects_inner_reduction():
     r = te.reduce_axis((0, 32), name="r")
     mm = te.compute((4, 16), lambda i, j: te.sum(x[i, r] * w[j, r], axis=r), name="mm")
     func = te.create_prim_func([x, w, mm])
-    assert MatmulTiles().apply(func, resolve_cpu_target("llvm"), False) is None
+    assert MatmulTiles().apply(func, resolve_model_target("llvm"), False) is None
     sch = tvm.s_tir.Schedule(func)
     assert not is_outer_matmul(sch.get(sch.get_sblock("mm")))
 

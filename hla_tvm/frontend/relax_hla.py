@@ -9,6 +9,8 @@ ceil(T / n) in the Relax shapes. State updates use call_tir_inplace, so a compil
 buffers in place."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 
 import numpy as np
@@ -56,6 +58,22 @@ def _is_decode(q):
     return isinstance(T, IntImm) and int(T) == 1
 
 
+_GPU_TARGET = contextvars.ContextVar("hla_tvm_gpu_target", default=None)
+
+
+@contextlib.contextmanager
+def chunks_for(target):
+    """Within: prefill chains emitted for a CUDA `target` use the largest chunk up to the
+    model's whose tiles fit the GPU's shared memory (`backend.gpu_chunk`; the outputs do not
+    depend on the chunk size). Other targets keep the model's chunk."""
+    token = _GPU_TARGET.set(target if target is not None and target.kind.name == "cuda"
+                            else None)
+    try:
+        yield
+    finally:
+        _GPU_TARGET.reset(token)
+
+
 def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     """(o, new_state list) of operator `op_name` (hla2, ahla, hla3) on q [B, H, T, Dk], k, v
     with H / group heads (query head h reads key/value head h // group), state entries in the
@@ -70,6 +88,11 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     decode = _is_decode(q)
     fam = chains.family(op_name, decayed=gamma is not None, decode=decode)
     chain = chains.decode(fam) if decode else chains.prefill(fam)
+    if _GPU_TARGET.get() is not None and not decode:
+        from ..backend import gpu_chunk
+
+        chunk = gpu_chunk(chain, dk, dv, _GPU_TARGET.get(), chunk=chunk, group=group,
+                          dtype=dtype, **opts)
     if gamma is None and chain.takes_gamma:
         gamma = relax.const(np.ones(int(H), dtype=acc))
     tag = _tag({"dtype": dtype, "chunk": chunk, **opts}) + (f"_g{group}" if group > 1 else "")

@@ -287,15 +287,18 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: 
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). schedules: as for
     `hla_tvm.compile`. Returns `out`."""
-    from ..compiler import build, records_folder, resolve_cpu_target
+    from ..compiler import build, records_folder, resolve_model_target
 
-    tgt = resolve_cpu_target(target)   # a bad target fails before any model work
+    tgt = resolve_model_target(target)   # a bad target fails before any model work
     records_path = records_folder(schedules, tgt)
-    mod, meta = lm_module(path)
+    from ..frontend.relax_hla import chunks_for
+
+    with chunks_for(tgt):   # (CUDA: prefill chunks that fit the GPU)
+        mod, meta = lm_module(path, decode_only=tgt.kind.name == "cuda")
     return build(mod, meta, tgt, out, records_path)
 
 
-def lm_module(path):
+def lm_module(path, decode_only=False):
     """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
     language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
     from ..compiler import MODULE_FORMAT, merge_entries
@@ -305,7 +308,9 @@ def lm_module(path):
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
         model = with_state_inputs(model)
     sig = lm_signature(model)
-    if sig["entry"] == "prefill":
+    if sig["entry"] == "prefill" and decode_only:   # (CUDA for now: `compiler.to_relax`)
+        mods = {"decode": to_relax(_decode_from_prefill(model))}
+    elif sig["entry"] == "prefill":
         mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
     else:
         mods = {"decode": to_relax(model)}

@@ -87,8 +87,7 @@ def schedule_model(mod, target, path=None):
     beat that):
     HLA kernels without a record get their default rules here, projections later (the Relax
     pipeline's `MatmulTiles`)."""
-    from ..build import TUNED
-    from . import cpu
+    from ..build import TUNED, default_rules
 
     projections = matmuls(mod, target) if path is not None else {}
     found = {**kernels(mod), **projections}
@@ -104,6 +103,6 @@ def schedule_model(mod, target, path=None):
         if TUNED not in func.attrs:
             if name in projections:
                 continue   # MatmulTiles schedules it in the pipeline
-            func = cpu.scheduled(func, target)
+            func = default_rules(target)(func, target)
         mod.update_func(mod.get_global_var(name), func.with_attr("tirx.is_scheduled", True))
     return mod, used
