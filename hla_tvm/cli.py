@@ -247,8 +247,12 @@ def _run(args):
         on_token = lambda tok: (sys.stdout.write(decode([tok])), sys.stdout.flush())  # noqa: E731
     else:
         on_token = None
-    tokens, info = generate(m, prompt, args.tokens, temperature=args.temperature,
-                            top_k=args.top_k, seed=args.seed, on_token=on_token)
+    text = args.prompt is not None   # (greedy decoding of a small byte-level model soon
+    # repeats one byte: text samples as the demo does unless told otherwise)
+    temperature = args.temperature if args.temperature is not None else 0.9 if text else 0.0
+    top_k = args.top_k if args.top_k is not None else 40 if text and temperature > 0 else 0
+    tokens, info = generate(m, prompt, args.tokens, temperature=temperature,
+                            top_k=top_k, seed=args.seed, on_token=on_token)
     print(decode([], final=True)) if args.prompt is not None else \
         print(" ".join(map(str, tokens)))
     rate = f"{info['decode_steps'] / info['decode_s']:.1f} tokens/s" \
@@ -470,9 +474,10 @@ def build_parser():
 
     r = command("run", help="generate with a compiled module (TVM runtime only): text for "
                             "byte-level models, token ids for others",
-                description="Prefill a prompt, then decode token by token: greedy by default, "
-                            "or sampled (--temperature, --top-k) with a seeded generator, so "
-                            "the same --seed gives the same text. Byte-level models (`hla-tvm "
+                description="Prefill a prompt, then decode token by token: text prompts "
+                            "sampled (--temperature 0.9 --top-k 40 unless given) with a seeded "
+                            "generator, so the same --seed gives the same text; --prompt-ids "
+                            "greedy unless --temperature is given. Byte-level models (`hla-tvm "
                             "train`, the demo's) take --prompt TEXT and stream text; others "
                             "take --prompt-ids and print ids.")
     r.add_argument("module", help="a library written by `hla-tvm compile`")
@@ -484,10 +489,12 @@ def build_parser():
                         "tuned records) and exit")
     r.add_argument("--tokens", "--steps", dest="tokens", type=_positive, default=16,
                    help="tokens to generate")
-    r.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature (0: greedy)")
-    r.add_argument("--top-k", type=int, default=0,
-                   help="sample from the k most likely tokens (0: all)")
+    r.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0: greedy; default: 0.9 for --prompt TEXT, as "
+                        "the demo samples, 0 for --prompt-ids)")
+    r.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k most likely tokens (0: all; default: 40 for "
+                        "--prompt TEXT, else 0)")
     r.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     r.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "

@@ -99,6 +99,12 @@ def test_run_generates_text_reproducibly(shipped, capsys):
     assert capsys.readouterr().out == first and first.startswith(PROMPT)
     assert main(args[:-1] + ["4"]) == 0
     assert capsys.readouterr().out != first   # (another seed, another continuation)
+    # text samples as the demo does unless told otherwise (greedy repeats one byte)
+    assert main(args[:4] + ["--tokens", "40"]) == 0
+    default = capsys.readouterr().out
+    assert main(args[:4] + ["--tokens", "40", "--temperature", "0.9", "--top-k", "40"]) == 0
+    assert capsys.readouterr().out == default
+    assert len(set(default[len(PROMPT):])) > 3
 
 
 def test_run_prompt_text_needs_a_byte_level_module(compiled_lm, capsys):
