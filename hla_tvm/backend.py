@@ -169,11 +169,10 @@ class _Scratch(threading.local):
     this size come from mmap and fault in every page on first write)."""
     buf = None
 
-    def take(self, numel, dtype, device="cpu"):
-        buf = self.buf
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+    def take(self, numel, dtype):
+        if self.buf is None or self.buf.numel() < numel or self.buf.dtype != dtype:
             self.buf = None
-            self.buf = torch.empty(numel, dtype=dtype, device=device)
+            self.buf = torch.empty(numel, dtype=dtype)
         return self.buf
 
 
@@ -198,7 +197,11 @@ def run_chain(chain, fns, env, out, chunk_size):
     shapes = chains.buffer_shapes(chain, B, H, Hkv, nc, dk, dv, chunk_size)
     # each buffer starts 64-byte aligned, as TVM's own allocations do
     sizes = {name: -(-math.prod(shape) // 16) * 16 for name, shape in shapes.items()}
-    flat = _SCRATCH.take(sum(sizes.values()) + 16, state_dtype(env["q"].dtype), env["q"].device)
+    numel, acc, device = sum(sizes.values()) + 16, state_dtype(env["q"].dtype), env["q"].device
+    # on a GPU a fresh buffer per call: PyTorch's caching allocator ties it to the stream, where
+    # one kept per thread could be overwritten by a call on another stream still reading it
+    flat = _SCRATCH.take(numel, acc) if device.type == "cpu" else \
+        torch.empty(numel, dtype=acc, device=device)
     at = -(flat.data_ptr() // flat.element_size()) % 16
     for name, shape in shapes.items():
         env[name] = flat[at:at + math.prod(shape)].view(shape)
@@ -219,13 +222,14 @@ def run_chain(chain, fns, env, out, chunk_size):
 
 
 def on_stream(device):
-    """The context the kernels run in for tensors on torch `device`: on a CUDA device, PyTorch's
-    current stream (kernels and PyTorch's work stay ordered); nothing on the CPU."""
+    """The context the kernels run in for tensors on torch `device`: on a CUDA device, that
+    device (the current one restored after) and PyTorch's current stream on it (kernels and
+    PyTorch's work stay ordered); nothing on the CPU."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     import tvm_ffi
 
-    return tvm_ffi.use_torch_stream()
+    return tvm_ffi.use_torch_stream(torch.cuda.device(device))
 
 
 def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto", **opts):

@@ -114,11 +114,6 @@ def load_or_build(spec: dict, make_funcs, target):
             except Exception as err:  # a truncated, corrupt or foreign file: rebuild it
                 warnings.warn(f"hla_tvm: rebuilding unreadable cached kernel {path}: {err}")
         _size_thread_pool()
-        if target.kind.name == "cuda":   # device code for modules holding CUDA source
-            from .device_code import serve
-
-            serve(os.path.join(cache_dir(), "device"), str(target.attrs["arch"]),
-                  override=False)
         if mod is None:
             mod = _save(compile_kernels(make_funcs(), target), path, tag)
         _MEMORY[fast] = mod

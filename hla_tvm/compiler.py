@@ -63,11 +63,18 @@ def _unflatten(flat, layout):
     return out
 
 
+def model_entries(target):
+    """The entry points a model compiled for `target` holds: prefill and decode; decode alone
+    for CUDA for now (a CUDA model's prefill gave wrong outputs past one chunk on an H200 while
+    its decode was right; the runtime then runs prompts token by token; docs/cuda.md)."""
+    return ("decode",) if target is not None and target.kind.name == "cuda" else \
+        ("prefill", "decode")
+
+
 def to_relax(model, *, max_batch=None, target=None):
     """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
-    forward(tokens, state) -> (logits, state) and init_state(batch)). For a CUDA `target`:
-    `decode` alone for now (a CUDA model's prefill gave wrong outputs past one chunk on an H200
-    while its decode was right; the runtime then runs prompts token by token; docs/cuda.md)."""
+    forward(tokens, state) -> (logits, state) and init_state(batch)); the entries
+    `model_entries(target)` names."""
     from torch.export import Dim
 
     from .frontend.relax_hla import chunks_for
@@ -82,7 +89,7 @@ def to_relax(model, *, max_batch=None, target=None):
     state_dims = tuple({0: batch} for _ in st2)
     mods = {}
     with torch.no_grad(), chunks_for(target):
-        if target is None or target.kind.name != "cuda":
+        if "prefill" in model_entries(target):
             ep = torch.export.export(
                 _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
                 dynamic_shapes=({0: batch, 1: seq}, state_dims))
@@ -215,9 +222,8 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "vocab_size": int(config["vocab_size"]) if config else None,
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict())}
-    if tgt.kind.name == "cuda":
-        meta["entries"] = ["decode"]   # (see to_relax)
     mod = to_relax(model, max_batch=max_batch, target=tgt)
+    meta["entries"] = sorted(model_entries(tgt))
     return build(mod, meta, tgt, out, records_path)
 
 
@@ -266,7 +272,7 @@ def executable(mod, meta, target, records_path=None):
     from .schedule.model import schedule_model
 
     mod, used = schedule_model(prepare(mod, target), target, records_path)
-    meta = {**meta, "schedules": {
+    meta = {**meta, "device": "cuda" if target.kind.name == "cuda" else "cpu", "schedules": {
         "target": records.target_folder(target), "records": records.display(records_path),
         "records_sha256": None if records_path is None else records.digest(records_path),
         **used}}

@@ -66,15 +66,17 @@ def compile_cuda(source, archs, fmt="fatbin"):
             return f.read()
 
 
-def stored_path(folder, source):
-    """Where `store` keeps the device code of CUDA `source` in `folder`."""
-    return os.path.join(folder, hashlib.sha256(source.encode()).hexdigest() + ".fatbin")
+def stored_path(folder, source, archs):
+    """Where `store` keeps the device code of CUDA `source` for `archs` in `folder`."""
+    archs = [archs] if isinstance(archs, str) else sorted(archs)
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    return os.path.join(folder, f"{digest}-{'-'.join(archs)}.fatbin")
 
 
 def store(folder, source, archs):
     """The path of the device code of `source` for `archs` in `folder`, built with nvcc
     (`compile_cuda`) unless it is there already."""
-    path = stored_path(folder, source)
+    path = stored_path(folder, source, archs)
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"

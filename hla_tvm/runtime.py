@@ -166,6 +166,11 @@ class CompiledModel:
             raise ValueError(f"{path}: module format "
                              f"{self.meta.get('format') if isinstance(self.meta, dict) else None!r}"
                              f", expected {MODULE_FORMAT!r}")
+        built_for = self.meta.get("device", "cpu")
+        if built_for != kind:
+            what = "an NVIDIA GPU" if built_for == "cuda" else "the CPU"
+            raise ValueError(f"{path} was compiled for {what}: load it with "
+                             f"device={built_for!r}")
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")
         # what token ids mean: "bytes" (UTF-8 text, id = byte) or None (the model's own ids)

@@ -112,7 +112,11 @@ def for_device(device, target=None):
     if target is None or (isinstance(target, str) and target.strip() in HOST_ALIASES):
         if target is not None:
             raise ValueError(f"target={target!r} is this CPU, but the tensors are on {device}")
-        return _cuda_target(device_arch(device))
+        arch = device_arch(device)
+        if arch not in CUDA_SHARED_MEMORY:
+            raise ValueError(f"the GPU {device} ({arch}) is not one the CUDA kernels know "
+                             f"({', '.join(CUDA_SHARED_MEMORY)}); use backend='torch'")
+        return _cuda_target(arch)
     tgt = resolve(target)
     if tgt.kind.name != "cuda":
         raise ValueError(f"target={target!r} is a {tgt.kind.name} target, but the tensors are "

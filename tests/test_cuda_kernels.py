@@ -173,6 +173,10 @@ def test_target_follows_the_tensors_device(monkeypatch):
         for_device(torch.device("cpu"), "cuda")
     with pytest.raises(ValueError, match="not supported"):
         for_device(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ValueError, match=r"\(sm_75\) is not one the CUDA kernels know"):
+        for_device(gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     # the operators refuse a CUDA target for CPU tensors before any work
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="on the CPU"):
@@ -200,7 +204,8 @@ def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
     try:
         hook = serve(str(tmp_path), "sm_90")
         binary = bytes(hook(source))
-        path = stored_path(str(tmp_path), source)
+        path = stored_path(str(tmp_path), source, "sm_90")
+        assert path != stored_path(str(tmp_path), source, "sm_80")
         assert open(path, "rb").read() == binary and b"one" in binary
         with open(path, "wb") as f:   # served from the folder, not built again
             f.write(b"stored")

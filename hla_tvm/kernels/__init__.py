@@ -7,6 +7,16 @@ state entries in the order its kernels take them. The TensorIR modules (and KERN
 use: the chains need no TVM compiler."""
 from ..reference import ahla as _ahla_ref, hla2 as _hla2_ref, hla3 as _hla3_ref
 
+IO_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def accum_dtype(dtype):
+    """State and accumulation dtype for inputs of `dtype`: float64 stays, the rest use float32."""
+    if dtype not in IO_DTYPES:
+        raise ValueError(f"kernel dtype must be one of {IO_DTYPES}, got {dtype!r}")
+    return "float64" if dtype == "float64" else "float32"
+
+
 REFERENCES = {"hla2": _hla2_ref, "hla2d": _hla2_ref, "ahla": _ahla_ref, "hla3": _hla3_ref}
 STATE_NAMES = {fam: ref.STATE_NAMES for fam, ref in REFERENCES.items()}
 

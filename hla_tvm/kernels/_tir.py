@@ -12,14 +12,7 @@ from tvm.script import tirx as T
 # so the schedule primitives (parallel, vectorize, tiling) and auto-tuning apply to the
 # recurrent kernels as to any other; the init `X = X` compiles to nothing.
 
-IO_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def accum_dtype(dtype):
-    """State and accumulation dtype for inputs of `dtype`: float64 stays, the rest use float32."""
-    if dtype not in IO_DTYPES:
-        raise ValueError(f"kernel dtype must be one of {IO_DTYPES}, got {dtype!r}")
-    return "float64" if dtype == "float64" else "float32"
+from . import accum_dtype  # noqa: F401  (the kernel modules import it from here)
 
 
 def const(value, dtype):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from . import REFERENCES, STATE_NAMES
+from . import REFERENCES, STATE_NAMES, accum_dtype
 
 KIND_SHAPES = {"kk": lambda dk, dv, n: (dk, dk), "kv": lambda dk, dv, n: (dk, dv),
                "k": lambda dk, dv, n: (dk,), "1": lambda dk, dv, n: (),
@@ -159,7 +159,7 @@ def argument_shapes(chain, B, H, Hkv, T, dk, dv, n, dtype):
     """[(call, [(shape, dtype) of each argument])] of every call of `chain` on q [B, H, T, dk]
     with k, v of Hkv heads, inputs in `dtype` (a dtype name): what its kernels are called with
     (`hla_tvm.backend.run_chain`), e.g. to specialize them for tuning."""
-    acc = "float64" if dtype == "float64" else "float32"   # (`_tir.accum_dtype`)
+    acc = accum_dtype(dtype)
     decode = chain.calls[0].kernel == "decode"
     kv = chain.kv_buffers()
     state = REFERENCES[chain.family].state_shapes(B, H, dk, dv)
