@@ -17,6 +17,16 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         (on a GPU machine with TVM's compiler) `hla()` and `decode_()` on CUDA tensors against
         the float64 reference: the user's path, kernels compiled there on first use.
 
+On a lent GPU machine (the `device` tool; the bundle is git-ignored, so carry it), one call:
+
+    carry ["gpu_bundle"]; command:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site gpu_bundle/wheels/*.whl &&
+    tar -xJf gpu_bundle/runtime/tvm-python.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site &&
+    python3 benchmarks/gpu_check.py run --out $OUT && python3 benchmarks/gpu_check.py models --out $OUT
+
+(`api` needs TVM's compiler there: its 100 MB wheel does not fit one call; split in two parts
+carried by two calls while the machine stays warm, it did.)
+
 The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.kernels.chains`
 (neither needs TVM's compiler); the references are `hla_tvm.reference` in float64 on the GPU.
 Timed: decode at B64 H32 D128 (float32 state) against `hla_tvm.fast.step` eager and under
@@ -123,6 +133,8 @@ def prepare(args):
                         "--python-version", "3.12", "--implementation", "cp",
                         "--platform", "manylinux_2_28_x86_64", "-d",
                         os.path.join(bundle, "wheels"), FFI_WHEEL], check=True)
+    pack_tvm_runtime(os.path.dirname(tvm.__file__), os.path.join(bundle, "runtime",
+                                                                 "tvm-python.tar.xz"))
     prepare_models(bundle, args.arch)
     with open(os.path.join(bundle, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -510,6 +522,20 @@ def api(args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "api.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def pack_tvm_runtime(package, out):
+    """TVM's Python package without its compiler library (about 3 MB as .tar.xz): what
+    `hla_tvm.runtime` needs (`models`), unpacked on the GPU machine beside the tvm-ffi wheel."""
+    import tarfile
+
+    if os.path.exists(out):
+        return
+    skip = ("/3rdparty", "/__pycache__", "libtvm_compiler.so", "libtvm_runtime_extra.so")
+    with tarfile.open(out + ".tmp", "w:xz") as tar:
+        tar.add(package, arcname="tvm",
+                filter=lambda info: None if any(x in info.name for x in skip) else info)
+    os.replace(out + ".tmp", out)
 
 
 MODELS = {"tiny": None, "demo": os.path.join(ROOT, "hla_tvm", "data", "stdlib-hla2.pt")}
