@@ -437,11 +437,7 @@ def time_prefill(kern, fam, T, deadline, emit):
     with kern.ffi.use_torch_stream():
         backend.run_chain(chain, fns, env, out, e["chunk"])
         for i, (call, fn) in enumerate(zip(chain.calls, fns)):
-            argv = [env[x] for x in call.reads] + [env[x] for x, _ in call.writes]
-            if call.kernel == "scan":
-                heads = argv[0].shape[1]
-                argv[:2] = [argv[0].view(B, heads, -1), argv[1].view(B, heads, nc, -1)]
-                argv[-1] = argv[-1].view(B, heads, nc, -1)
+            argv = backend.call_arguments(call, env, nc, gamma)   # (one group: gamma_kv)
             per[f"{i}:{call.kernel}"] = round(cuda_time(lambda: fn(*argv), warmup=1,
                                                         min_seconds=0.3, max_iters=20) * 1e3, 3)
     row["tvm_kernels_ms"] = per

@@ -105,7 +105,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
             if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or \
                     x.shape != shape:
                 return None
-            st.append(private_copy(x.to(plan.device), plan.acc))
+            st.append(private_copy(x, plan.acc, plan.device))
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     plan.run(*(validate.aligned(x.contiguous()) for x in (q, k, v)), st, out)
     return out, dict(zip(plan.names, st))
@@ -194,7 +194,7 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
         shapes = op.state_shapes(B, H, k.shape[1], dk, dv)
         st = {n: torch.zeros(shapes[n], dtype=acc, device=q.device) for n in op.state_names}
     else:  # a private copy in the accumulation dtype: the kernels update it in place
-        st = {n: tvm_backend.private_copy(x.to(q.device), acc) for n, x in state.items()}
+        st = {n: tvm_backend.private_copy(x, acc, q.device) for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fam = chains.family(op.name, decayed=decay is not None, decode=False)
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc, device=q.device))[0].contiguous()

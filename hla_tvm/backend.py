@@ -22,17 +22,19 @@ TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64"}
 
 
-def private_copy(x, dtype):
-    """A new contiguous tensor of `dtype` (float32 or float64) holding x's values, copied on
-    the calling thread alone. PyTorch copies large tensors with its OpenMP threads, whose
+def private_copy(x, dtype, device=None):
+    """A new contiguous tensor of `dtype` (float32 or float64) on `device` (None: x's) holding
+    x's values, copied once; on the CPU on the calling thread alone. PyTorch copies large tensors with its OpenMP threads, whose
     workers keep spinning on the cores after the copy; a TVM kernel launched right after then
     waits for a scheduler time slice (measured: 3.5 ms stalls on a 2-core machine, a 0.3 ms
     functional decode at B=8 taking 4 ms)."""
     import numpy as np
 
+    device = x.device if device is None else torch.device(device)
     if x.numel() <= SERIAL_COPY or x.dtype not in (torch.float16, torch.float32, torch.float64) \
-            or x.device.type != "cpu":   # (PyTorch copies these on the calling thread too)
-        return x.to(dtype, memory_format=torch.contiguous_format, copy=True)
+            or x.device.type != "cpu" or device.type != "cpu":
+        # (PyTorch copies these on the calling thread too)
+        return x.to(device, dtype, memory_format=torch.contiguous_format, copy=True)
     out = torch.empty(x.shape, dtype=dtype)
     np.copyto(out.numpy(), x.detach().numpy(), casting="unsafe")
     return out
@@ -211,14 +213,21 @@ def run_chain(chain, fns, env, out, chunk_size):
     if env.get("gamma") is not None:   # the kv calls' decay: each group's first query head
         gamma_kv = env["gamma"] if Hkv == H else env["gamma"][::H // Hkv].contiguous()
     for call, fn in zip(chain.calls, fns):
-        args = [gamma_kv if call.kv and x == "gamma" else env[x] for x in call.reads]
-        writes = [env[x] for x, _ in call.writes]
-        if call.kernel == "scan":   # element-wise: state, increments and record flattened
-            heads = args[0].shape[1]
-            args[:2] = [args[0].view(B, heads, -1), args[1].view(B, heads, nc, -1)]
-            writes = [writes[0].view(B, heads, nc, -1)]
-        fn(*args, *writes)
+        fn(*call_arguments(call, env, nc, gamma_kv))
     return out
+
+
+def call_arguments(call, env, nc, gamma_kv=None):
+    """The arguments of one chain call, its reads then its writes, from `env` (as `run_chain`
+    fills it; nc chunks; gamma_kv: the decay the kv calls read): a scan's state, increments and
+    record flattened to [B, heads, (nc,) width]."""
+    args = [gamma_kv if call.kv and x == "gamma" else env[x] for x in call.reads]
+    writes = [env[x] for x, _ in call.writes]
+    if call.kernel == "scan":   # element-wise
+        B, heads = args[0].shape[:2]
+        args[:2] = [args[0].view(B, heads, -1), args[1].view(B, heads, nc, -1)]
+        writes = [writes[0].view(B, heads, nc, -1)]
+    return args + writes
 
 
 def on_stream(device):

@@ -172,8 +172,7 @@ def _compile(args):
 
     target = parse(args.target)
     if args.arch is not None:
-        kind = target if isinstance(target, str) else (target or {}).get("kind") \
-            if isinstance(target, dict) else None
+        kind = target.get("kind") if isinstance(target, dict) else target
         if kind != "cuda":
             raise ValueError(f"--arch {args.arch} applies to CUDA targets: give --target cuda")
         target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}

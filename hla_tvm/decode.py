@@ -76,7 +76,7 @@ class _Plan:
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc,
                                               device=q.device))[0].contiguous()
-        self.stream = (lambda: backend.on_stream(self.device)) if q.is_cuda else None
+        self.cuda = q.is_cuda
 
     def check_state(self, state):
         """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
@@ -128,8 +128,10 @@ class _Plan:
 
     def run(self, q, k, v, st, out):
         """o [B, H, 1, Dv] after one token; the tensors of `st` advanced in place."""
-        if self.stream is not None:   # CUDA: on PyTorch's current stream
-            with self.stream():
+        if self.cuda:   # on the device's current PyTorch stream
+            from .backend import on_stream
+
+            with on_stream(self.device):
                 return self._run(q, k, v, st, out)
         return self._run(q, k, v, st, out)
 

@@ -109,9 +109,9 @@ def for_device(device, target=None):
         return tgt
     if device.type != "cuda":
         raise ValueError(f"tensors on {device} are not supported: give CPU or CUDA tensors")
-    if target is None or (isinstance(target, str) and target.strip() in HOST_ALIASES):
-        if target is not None:
-            raise ValueError(f"target={target!r} is this CPU, but the tensors are on {device}")
+    if isinstance(target, str) and target.strip() in HOST_ALIASES:
+        raise ValueError(f"target={target!r} is this CPU, but the tensors are on {device}")
+    if target is None:
         arch = device_arch(device)
         if arch not in CUDA_SHARED_MEMORY:
             raise ValueError(f"the GPU {device} ({arch}) is not one the CUDA kernels know "
