@@ -5,6 +5,9 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         (here: TVM's compiler and nvcc) compiles the CUDA kernel modules the check runs, builds
         their device code with nvcc, and gathers the runtime: libtvm_runtime.so,
         libtvm_runtime_cuda.so and a cp312 apache-tvm-ffi wheel (pip downloads it once).
+    python benchmarks/gpu_check.py emulate [--only 'hla2d,float32,8;ahla'] [--arch sm_90]
+        (here, no GPU) the same checks with every CUDA kernel emulated on the CPU thread by
+        thread (`hla_tvm.schedule.cuda.emulator`), threads in forward and in reverse order.
     python benchmarks/gpu_check.py run [--bundle gpu_bundle] [--out DIR]
         (on the GPU machine: PyTorch with CUDA and apache-tvm-ffi; no TVM) runs the checks, each
         group of kernels in its own process (a kernel that faults or hangs fails its group
@@ -75,23 +78,15 @@ def entry_id(fam, phase, dtype, d, group=1, normalize=False):
 
 # ----------------------------------------------------------------------------- prepare (here)
 
-def prepare(args):
-    """Compile the check's modules for the GPU, build their device code, gather the runtime."""
-    import tvm
-
+def entries(target, checks=CHECKS, timed=True):
+    """[(entry id, chain, head size, group, chunk, kernel options)] of the modules `checks`
+    run (a prefill and a decode each) and, with `timed`, the timed decodes; chunk: what the
+    prefill runs with on `target` (`backend.gpu_chunk`), None for decode."""
     from hla_tvm import backend
-    from hla_tvm.build import compile_kernels
-    from hla_tvm.device_code import cuda_source, store
     from hla_tvm.kernels import chains
-    from hla_tvm.target import resolve
 
-    target = resolve({"kind": "cuda", "arch": args.arch})
-    bundle = os.path.abspath(args.bundle)
-    for sub in ("modules", "device", "runtime", "wheels"):
-        os.makedirs(os.path.join(bundle, sub), exist_ok=True)
-    manifest = {"arch": args.arch, "tvm": tvm.__version__, "entries": {}}
     wanted = []
-    for fam, dtype, d, group, normalize in CHECKS:
+    for fam, dtype, d, group, normalize in checks:
         opts = dict(OPTS[fam], normalize=normalize, eps=1e-6, dtype=dtype)
         wanted.append((entry_id(fam, "prefill", dtype, d, group, normalize),
                        chains.prefill(fam), d, group, opts))
@@ -99,19 +94,37 @@ def prepare(args):
         wanted.append((entry_id(dfam, "decode", dtype, d, group, normalize),
                        chains.decode(dfam), d, group, dict(OPTS[dfam], normalize=normalize,
                                                             eps=1e-6, dtype=dtype)))
-    for fam in DECODE_TIMED:   # the timed decodes: no decay (gamma = 1), plain options
+    for fam in DECODE_TIMED if timed else ():   # no decay (gamma = 1), plain options
         wanted.append((entry_id(fam, "decode", "float32", 128), chains.decode(fam), 128, 1,
                        dict(OPTS[fam], normalize=False, eps=1e-6, dtype="float32")))
-    seen = set()
-    for n, (eid, chain, d, group, opts) in enumerate(wanted):
-        if eid in seen:
-            continue
-        seen.add(eid)
+    out, seen = [], set()
+    for eid, chain, d, group, opts in wanted:
+        if eid not in seen:
+            seen.add(eid)
+            chunk = None if chain.calls[0].kernel == "decode" else backend.gpu_chunk(
+                chain, d, d, target, chunk=64 if d >= 32 else 16, group=group, **opts)
+            out.append((eid, chain, d, group, chunk, opts))
+    return out
+
+
+def prepare(args):
+    """Compile the check's modules for the GPU, build their device code, gather the runtime."""
+    import tvm
+
+    from hla_tvm import backend
+    from hla_tvm.build import compile_kernels
+    from hla_tvm.device_code import cuda_source, store
+    from hla_tvm.target import resolve
+
+    target = resolve({"kind": "cuda", "arch": args.arch})
+    bundle = os.path.abspath(args.bundle)
+    for sub in ("modules", "device", "runtime", "wheels"):
+        os.makedirs(os.path.join(bundle, sub), exist_ok=True)
+    manifest = {"arch": args.arch, "tvm": tvm.__version__, "entries": {}}
+    wanted = entries(target)
+    for n, (eid, chain, d, group, chunk, opts) in enumerate(wanted):
         path = os.path.join(bundle, "modules", eid + ".so")
         decode = chain.calls[0].kernel == "decode"
-        chunk = None if decode else backend.gpu_chunk(chain, d, d, target,
-                                                      chunk=64 if d >= 32 else 16, group=group,
-                                                      **opts)
         t0 = time.time()
         if not os.path.exists(path):
             kernels = backend.tuning_kernels(chain, d, d, chunk=chunk, group=group, **opts)
@@ -282,28 +295,82 @@ def tolerance(dtype_name):
     return 1e-4 if dtype_name == "float32" else 1e-3
 
 
+def judged(kern, fam, dtype, d, group, normalize, device="cuda"):
+    """`check_entry`'s rows with "worst" and "pass" (within `tolerance`), or one failed row
+    with the error that stopped it."""
+    t0 = time.time()
+    try:
+        rows = check_entry(kern, fam, dtype, d, group, normalize, device=device)
+        for r in rows:
+            r["worst"] = max(r["errors"].values())
+            r["pass"] = r["worst"] <= tolerance(dtype) + r["floor"]
+    except Exception as err:   # a failed configuration is reported; the rest still run
+        rows = [{"entry": entry_id(fam, "prefill", dtype, d, group, normalize),
+                 "error": f"{type(err).__name__}: {err}"[:600], "pass": False}]
+    for r in rows:
+        r["seconds"] = round(time.time() - t0, 2)
+    return rows
+
+
 def worker_checks(args):
     kern = Kernels(args.bundle)
     results = []
     for spec in args.checks.split(";"):
         fam, dtype, d, group, normalize = spec.split(",")
-        t0 = time.time()
-        try:
-            rows = check_entry(kern, fam, dtype, int(d), int(group), normalize == "1")
-            for r in rows:
-                worst = max(r["errors"].values())
-                r["pass"] = worst <= tolerance(dtype) + r["floor"]
-                r["worst"] = worst
-        except Exception as err:   # a failed configuration is reported; the rest still run
-            rows = [{"entry": entry_id(fam, "prefill", dtype, int(d), int(group),
-                                       normalize == "1"),
-                     "error": f"{type(err).__name__}: {err}"[:600], "pass": False}]
+        rows = judged(kern, fam, dtype, int(d), int(group), normalize == "1")
         for r in rows:
-            r["seconds"] = round(time.time() - t0, 2)
             print(json.dumps(r), flush=True)
         results += rows
     with open(args.result, "w") as f:
         json.dump(results, f)
+
+
+class EmulatedKernels:
+    """The check's kernel chains under the default CUDA schedules for `target`, emulated on
+    the CPU thread by thread (`hla_tvm.schedule.cuda.emulator`; threads and blocks in `mode`'s
+    order): `run` and `synchronize` as `Kernels` has them, on CPU tensors."""
+
+    def __init__(self, target, checks, mode):
+        self.target, self.mode = target, mode
+        self.entries = {e[0]: e[1:] for e in entries(target, checks, timed=False)}
+        self._fns = {}
+
+    def synchronize(self):
+        pass
+
+    def run(self, eid, env, out):
+        from hla_tvm import backend
+        from hla_tvm.schedule.cuda import emulator
+
+        chain, d, group, chunk, opts = self.entries[eid]
+        if eid not in self._fns:
+            self._fns[eid] = emulator.chain_functions(chain, d, d, self.target, chunk=chunk,
+                                                      group=group, mode=self.mode, **opts)
+        return backend.run_chain(chain, self._fns[eid], env, out, chunk or 1)
+
+
+def emulate(args):
+    """(here, no GPU) `run`'s checks with every CUDA kernel emulated on the CPU, once with the
+    threads and blocks of each kernel in forward order and once in reverse (a result that
+    depends on the order is a race); a table of the rows, exit status 1 when one fails."""
+    from hla_tvm.schedule.cuda import emulator
+    from hla_tvm.target import resolve
+
+    target = resolve({"kind": "cuda", "arch": args.arch})
+    checks = [c for c in CHECKS if args.only is None or
+              any(f"{c[0]},{c[1]},{c[2]}".startswith(x) for x in args.only.split(";"))]
+    rows = []
+    for mode in (emulator.FORWARD, emulator.REVERSE):
+        kern = EmulatedKernels(target, checks, mode)
+        for fam, dtype, d, group, normalize in checks:
+            for r in judged(kern, fam, dtype, d, group, normalize, device="cpu"):
+                r["entry"] += " (reverse order)" if mode == emulator.REVERSE else ""
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    print(markdown({"gpu": f"none: emulated on the CPU ({len(checks)} checks, forward and "
+                           "reverse thread order)", "torch": "", "arch": args.arch,
+                    "tvm": "", "checks": rows, "timing": []}))
+    sys.exit(0 if all(r["pass"] for r in rows) else 1)
 
 
 def cuda_time(fn, *, warmup=2, min_seconds=1.0, max_iters=200):
@@ -753,6 +820,11 @@ def main(argv=None):
     p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
     p.add_argument("--arch", default="sm_90", help="CUDA architecture of the GPU (sm_90: H100, "
                    "H200; sm_80: A100)")
+    p = sub.add_parser("emulate", help="(no GPU) the checks with the CUDA kernels emulated on "
+                       "the CPU, threads in forward and reverse order")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--only", help="semicolon-separated prefixes of 'family,dtype,head size' "
+                   "(e.g. 'hla2d,float32,8;ahla')")
     p = sub.add_parser("run", help="run the checks and timings on the GPU")
     p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
@@ -795,7 +867,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):
         args.bundle = os.path.abspath(args.bundle)
-    {"prepare": prepare, "run": run, "api": api, "models": models,
+    {"prepare": prepare, "emulate": emulate, "run": run, "api": api, "models": models,
      "model-worker": model_worker, "worker-checks": worker_checks,
      "worker-timing": worker_timing}[args.cmd](args)
 

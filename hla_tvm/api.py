@@ -64,7 +64,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     group = H // Hkv
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     if backend == "tvm":
-        _tvm_not_yet(op, decay=decay, device=q.device, dims=(dk, dv))
+        _tvm_not_yet(op, decay=decay, device=q.device)
     if backend == "torch":
         k, v, state = _expand_groups(op, k, v, state, group)
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
@@ -122,21 +122,12 @@ def _expand_groups(op, k, v, state, group):
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), state
 
 
-# head sizes whose CUDA prefill kernels were checked on a GPU (`benchmarks/gpu_check.py`); a
-# compiled model with head size 8 gave wrong prefills past one chunk on an H200 (docs/cuda.md)
-CUDA_CHECKED_HEADS = (64, 128)
-
-
-def _tvm_not_yet(op, *, decay, device, dims=()):
-    """Options whose compiled kernels are not written (or not checked) yet raise
-    NotImplementedError naming them."""
+def _tvm_not_yet(op, *, decay, device):
+    """Options whose compiled kernels are not written yet raise NotImplementedError naming
+    them."""
     missing = []
     if device.type not in ("cpu", "cuda"):
         missing.append(f"device {device} (CPU and CUDA tensors only)")
-    if device.type == "cuda" and any(d not in CUDA_CHECKED_HEADS for d in dims):
-        missing.append(f"prefill of head sizes {dims} on CUDA tensors (checked on a GPU: "
-                       f"{', '.join(map(str, CUDA_CHECKED_HEADS))}; one token at a time, "
-                       "decode_, runs any)")
     if missing:
         raise NotImplementedError("backend='tvm' does not support yet: " + "; ".join(missing)
                                   + " (backend='torch' does)")

@@ -63,18 +63,9 @@ def _unflatten(flat, layout):
     return out
 
 
-def model_entries(target):
-    """The entry points a model compiled for `target` holds: prefill and decode; decode alone
-    for CUDA for now (a CUDA model's prefill gave wrong outputs past one chunk on an H200 while
-    its decode was right; the runtime then runs prompts token by token; docs/cuda.md)."""
-    return ("decode",) if target is not None and target.kind.name == "cuda" else \
-        ("prefill", "decode")
-
-
 def to_relax(model, *, max_batch=None, target=None):
     """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
-    forward(tokens, state) -> (logits, state) and init_state(batch)); the entries
-    `model_entries(target)` names."""
+    forward(tokens, state) -> (logits, state) and init_state(batch))."""
     from torch.export import Dim
 
     from .frontend.relax_hla import chunks_for
@@ -89,11 +80,10 @@ def to_relax(model, *, max_batch=None, target=None):
     state_dims = tuple({0: batch} for _ in st2)
     mods = {}
     with torch.no_grad(), chunks_for(target):
-        if "prefill" in model_entries(target):
-            ep = torch.export.export(
-                _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
-                dynamic_shapes=({0: batch, 1: seq}, state_dims))
-            mods["prefill"] = import_exported(ep)
+        ep = torch.export.export(
+            _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
+            dynamic_shapes=({0: batch, 1: seq}, state_dims))
+        mods["prefill"] = import_exported(ep)
         ep = torch.export.export(
             _Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
             dynamic_shapes=({0: batch}, state_dims))
@@ -223,7 +213,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict())}
     mod = to_relax(model, max_batch=max_batch, target=tgt)
-    meta["entries"] = sorted(model_entries(tgt))
+    meta["entries"] = ["decode", "prefill"]
     return build(mod, meta, tgt, out, records_path)
 
 

@@ -184,13 +184,6 @@ def test_target_follows_the_tensors_device(monkeypatch):
     st = hla_tvm.init_state(1, 2, 8)
     with pytest.raises(ValueError, match="on the CPU"):
         hla_tvm.decode_(q[:, :, 0], q[:, :, 0], q[:, :, 0], st, target="cuda")
-    # CUDA prefill runs the head sizes a GPU check covered
-    from hla_tvm import api
-    from hla_tvm.operators import OPERATORS
-
-    with pytest.raises(NotImplementedError, match="head sizes"):
-        api._tvm_not_yet(OPERATORS[(2, False)], decay=None, device=gpu, dims=(8, 8))
-    api._tvm_not_yet(OPERATORS[(2, False)], decay=None, device=gpu, dims=(64, 64))
 
 
 @pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
@@ -231,14 +224,15 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path):
 
     torch.manual_seed(0)
     model = HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99])
+    chain = chains.prefill("hla2d")
     for arch in ("sm_80", "sm_90"):
         tgt = resolve({"kind": "cuda", "arch": arch})
         relax_mod = compiler.to_relax(model, target=tgt)
-        assert [gv.name_hint for gv in relax_mod.get_global_vars()
-                if gv.name_hint in ("prefill", "decode")] == ["decode"]
+        assert sorted(gv.name_hint for gv in relax_mod.get_global_vars()
+                      if gv.name_hint in ("prefill", "decode")) == ["decode", "prefill"]
         exe = compiler.executable(relax_mod, {}, tgt)
         source = cuda_source(exe)
-        kernels = ["hla2d_decode"]   # (CUDA models hold decode alone for now: docs/cuda.md)
+        kernels = ["hla2d_decode"] + [chains.kernel_name(chain, c, 8, 8) for c in chain.calls]
         names = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(",
                                source))
         for name in kernels:   # (their names carry the options baked in)

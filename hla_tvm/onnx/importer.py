@@ -287,18 +287,18 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: 
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). schedules: as for
     `hla_tvm.compile`. Returns `out`."""
-    from ..compiler import build, model_entries, records_folder, resolve_model_target
+    from ..compiler import build, records_folder, resolve_model_target
 
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     records_path = records_folder(schedules, tgt)
     from ..frontend.relax_hla import chunks_for
 
     with chunks_for(tgt):   # (CUDA: prefill chunks that fit the GPU)
-        mod, meta = lm_module(path, decode_only="prefill" not in model_entries(tgt))
+        mod, meta = lm_module(path)
     return build(mod, meta, tgt, out, records_path)
 
 
-def lm_module(path, decode_only=False):
+def lm_module(path):
     """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
     language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
     from ..compiler import MODULE_FORMAT, merge_entries
@@ -308,9 +308,7 @@ def lm_module(path, decode_only=False):
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
         model = with_state_inputs(model)
     sig = lm_signature(model)
-    if sig["entry"] == "prefill" and decode_only:   # (`compiler.model_entries`)
-        mods = {"decode": to_relax(_decode_from_prefill(model))}
-    elif sig["entry"] == "prefill":
+    if sig["entry"] == "prefill":
         mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
     else:
         mods = {"decode": to_relax(model)}

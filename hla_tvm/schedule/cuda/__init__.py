@@ -16,7 +16,7 @@ from .block_per_outer import block_per_outer
 from .inline_scratch import inline_scratch
 from .shared_scratch import hoist, shared_scratch
 from .stage_syncs import reads_back, updates_in_place, with_syncs
-from .thread_stages import stage_threads, thread_stages
+from .thread_stages import mask_write_backs, stage_threads, thread_stages
 
 THREADS = 128   # threads per block: four warps
 
@@ -27,7 +27,10 @@ def schedule(func):
     from tvm import s_tir
 
     name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
-    sch = s_tir.Schedule(tvm.IRModule({"main": hoist(func.with_attr("global_symbol", "main"))}))
+    # held here: a function the module alone referenced was scheduled in place, rewriting the
+    # caller's function too (its body is shared)
+    plain = hoist(func.with_attr("global_symbol", "main"))
+    sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
     in_place = updates_in_place(sch.mod["main"])
     synced = in_place or reads_back(sch.mod["main"])
     if not in_place:
@@ -35,8 +38,8 @@ def schedule(func):
     block_per_outer(sch, "main")
     shared_scratch(sch, "main")
     threads = stage_threads(sch, THREADS) if in_place else THREADS
-    thread_stages(sch, "main", threads, registers=not in_place)
-    out = sch.mod["main"]
+    tails = thread_stages(sch, "main", threads, registers=not in_place)
+    out = mask_write_backs(sch.mod["main"], tails)
     if synced:
         out = with_syncs(out)
     return out if name is None else out.with_attr("global_symbol", name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..common import COMM_REDUCE, DATA_PAR, among, loop_iter_types, own_loops, root_scratch, \
-    static_extent, writes_alone
+    static_extent, walk, writes_alone
 
 
 def _spatial_reduce(sch, block):
@@ -41,7 +41,11 @@ def stage_threads(sch, most):
 
 
 def thread_stages(sch, func_name, threads, registers=True):
+    """Schedule every stage of the root block as the module docstring says; returns
+    {register write-back block name: its stage's block name} for the stages with a masked
+    tail (`mask_write_backs` gives the write-backs the stage's mask)."""
     scratch = root_scratch(sch)
+    tails = {}
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
         spatial, reduce_ = _spatial_reduce(sch, block)
         writes = sch.get(block).writes
@@ -52,9 +56,48 @@ def thread_stages(sch, func_name, threads, registers=True):
             sch.reorder(*spatial, *reduce_)
         fused = (sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]) if spatial else \
             sch.add_unit_loop(block)
+        extent = static_extent(sch, fused)
         _, inner = sch.split(fused, [None, threads])
         sch.bind(inner, "threadIdx.x")
         if registers and reduce_ and sch.get(block).init is not None and \
                 writes_alone(sch, block):
             acc = sch.cache_write(block, 0, "local")
             sch.reverse_compute_at(acc, inner)
+            if not extent or extent % threads:
+                tails[sch.get(acc).name_hint] = sch.get(block).name_hint
+    return tails
+
+
+def mask_write_backs(func, tails):
+    """`func` with each register write-back block named in `tails` (`thread_stages`) under the
+    predicate of its stage's block: TVM places a write-back over every thread of the stage's
+    loop, the masked tail included, whose writes would land past the stage's elements (in
+    another thread block's, or past the buffer)."""
+    from tvm import s_tir, tirx
+
+    masks = {}
+
+    def find(node):
+        if isinstance(node, s_tir.SBlockRealize) and node.block.name_hint in tails.values():
+            masks[node.block.name_hint] = node.predicate
+
+    walk(func.body, find)
+
+    def rebuild(stmt):
+        if isinstance(stmt, s_tir.SBlockRealize):
+            mask = masks.get(tails.get(stmt.block.name_hint))
+            return s_tir.SBlockRealize(stmt.iter_values,
+                                       stmt.predicate if mask is None else mask,
+                                       rebuild(stmt.block))
+        if isinstance(stmt, s_tir.SBlock):
+            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
+                                rebuild(stmt.body), stmt.init, stmt.alloc_buffers,
+                                stmt.match_buffers, stmt.annotations)
+        if isinstance(stmt, tirx.For):
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
+                            rebuild(stmt.body), stmt.thread_binding, stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([rebuild(x) for x in stmt.seq])
+        return stmt
+
+    return func.with_body(rebuild(func.body)) if tails else func
