@@ -831,9 +831,10 @@ def main(argv=None):
     p.add_argument("--check-seconds", type=float, default=180)
     p.add_argument("--timing-seconds", type=float, default=300)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2",
-                   help="comma-separated kernel families whose prefill is timed (hla2, hla2d, "
-                   "ahla, hla3; no decay)")
+    p.add_argument("--prefill-families", default="hla2d",
+                   help="comma-separated kernel families whose prefill is timed (hla2d: second "
+                   "order as hla() runs it on a GPU; hla2: its serial carry; ahla, hla3; no "
+                   "decay)")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
     p.add_argument("--compile-all", action="store_true",
                    help="torch.compile every decode step (default: second order's)")
@@ -862,7 +863,7 @@ def main(argv=None):
     p.add_argument("--result", required=True)
     p.add_argument("--deadline", type=float, required=True)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2")
+    p.add_argument("--prefill-families", default="hla2d")
     p.add_argument("--compile-all", action="store_true")
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):

@@ -187,7 +187,8 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
     else:  # a private copy in the accumulation dtype: the kernels update it in place
         st = {n: tvm_backend.private_copy(x, acc, q.device) for n, x in state.items()}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    fam = chains.family(op.name, decayed=decay is not None, decode=False)
+    fam = chains.family(op.name, decayed=decay is not None, decode=False,
+                        gpu=tgt.kind.name == "cuda")
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc, device=q.device))[0].contiguous()
     out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=tgt,
                               schedules=schedules, **tvm_backend.kernel_options(q.dtype, **opts))

@@ -216,7 +216,6 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path):
     device code for the architecture, and a CPU-only runtime refuses it with a clear word."""
     import torch
 
-    import hla_tvm
     from hla_tvm import compiler
     from hla_tvm.cli import main
     from hla_tvm.models import HLALM
@@ -241,11 +240,29 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path):
         binary = compile_cuda(source, arch, fmt="cubin")
         for name in names:
             assert name.encode() in binary, (arch, name)
-    out = hla_tvm.compile(model, target={"kind": "cuda", "arch": "sm_90"}, out=tmp_path / "m.so")
-    with pytest.raises(ValueError, match="compiled for an NVIDIA GPU"):
-        load(out)
-    # the command line spells the architecture apart
+    # the command line (hla_tvm.compile) spells the architecture apart; a CPU-only runtime
+    # refuses the library with a clear word
     model.save(tmp_path / "ck.pt")
     assert main(["compile", str(tmp_path / "ck.pt"), "--arch", "sm_90"]) == 2
     assert main(["compile", str(tmp_path / "ck.pt"), "--target", "cuda", "--arch", "sm_90",
                  "-o", str(tmp_path / "cli.so")]) == 0
+    with pytest.raises(ValueError, match="compiled for an NVIDIA GPU"):
+        load(tmp_path / "cli.so")
+
+
+def test_second_order_prefills_through_the_scan_chain_on_gpus():
+    """Undecayed second order on a GPU runs hla2d's chain (gamma = 1: one thread block per
+    chunk) rather than hla2's carry (one per head), in hla() and in compiled models."""
+    import torch
+
+    from hla_tvm import compiler
+    from hla_tvm.models import HLALM
+
+    assert chains.family("hla2", decayed=False, decode=False, gpu=True) == "hla2d"
+    assert chains.family("hla2", decayed=False, decode=False) == "hla2"
+    torch.manual_seed(0)
+    model = HLALM(40, 32, 1, 4, chunk_size=16)
+    names = {gv.name_hint for gv in compiler.to_relax(
+        model, target=resolve({"kind": "cuda", "arch": "sm_90"})).get_global_vars()}
+    assert any(n.startswith("hla2d_chunk_output") for n in names), names
+    assert not any(n.startswith("hla2_chunk_carry") for n in names), names

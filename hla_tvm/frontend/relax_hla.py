@@ -86,7 +86,8 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     group = int(H) // int(Hkv)
     acc = _tir.accum_dtype(dtype)
     decode = _is_decode(q)
-    fam = chains.family(op_name, decayed=gamma is not None, decode=decode)
+    fam = chains.family(op_name, decayed=gamma is not None, decode=decode,
+                        gpu=_GPU_TARGET.get() is not None)
     chain = chains.decode(fam) if decode else chains.prefill(fam)
     if _GPU_TARGET.get() is not None and not decode:
         from ..backend import gpu_chunk

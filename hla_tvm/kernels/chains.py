@@ -127,10 +127,12 @@ _PREFILL = {
 }
 
 
-def family(op_name, *, decayed, decode):
+def family(op_name, *, decayed, decode, gpu=False):
     """The kernel family running operator `op_name` (hla2, ahla, hla3): second order uses hla2d
-    with decay, and for decode always (gamma = 1 without decay)."""
-    if op_name == "hla2" and (decayed or decode):
+    with decay, for decode always, and on GPUs (gamma = 1 without decay): hla2's carry runs one
+    thread block per head, the scan chain one per chunk (B1 H32 T32768 D128 bfloat16 on an
+    H200: 939 ms against 161 ms)."""
+    if op_name == "hla2" and (decayed or decode or gpu):
         return "hla2d"
     return op_name
 

@@ -256,12 +256,13 @@ def _compile(cpp):
             src = os.path.join(tmp, "kernel.cpp")
             with open(src, "w") as f:
                 f.write(cpp)
+            tmp_lib = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per builder
             res = subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", src,
-                                  "-o", path + ".tmp"], capture_output=True, text=True)
+                                  "-o", tmp_lib], capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError("emulator: g++ could not compile the kernel's CUDA source:\n"
                                    + res.stderr[-3000:])
-            os.replace(path + ".tmp", path)
+            os.replace(tmp_lib, path)
     return ctypes.CDLL(path)
 
 
