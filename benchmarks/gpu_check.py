@@ -327,8 +327,9 @@ def worker_checks(args):
 
 class EmulatedKernels:
     """The check's kernel chains under the default CUDA schedules for `target`, emulated on
-    the CPU thread by thread (`hla_tvm.schedule.cuda.emulator`; threads and blocks in `mode`'s
-    order): `run` and `synchronize` as `Kernels` has them, on CPU tensors."""
+    the CPU thread by thread (`hla_tvm.schedule.cuda.emulator`; threads and blocks in the
+    order `self.mode` names, which may change between runs: the kernels are built once):
+    `run` and `synchronize` as `Kernels` has them, on CPU tensors."""
 
     def __init__(self, target, checks, mode):
         self.target, self.mode = target, mode
@@ -339,14 +340,17 @@ class EmulatedKernels:
         pass
 
     def run(self, eid, env, out):
+        import functools
+
         from hla_tvm import backend
         from hla_tvm.schedule.cuda import emulator
 
         chain, d, group, chunk, opts = self.entries[eid]
         if eid not in self._fns:
             self._fns[eid] = emulator.chain_functions(chain, d, d, self.target, chunk=chunk,
-                                                      group=group, mode=self.mode, **opts)
-        return backend.run_chain(chain, self._fns[eid], env, out, chunk or 1)
+                                                      group=group, **opts)
+        fns = [functools.partial(fn, mode=self.mode) for fn in self._fns[eid]]
+        return backend.run_chain(chain, fns, env, out, chunk or 1)
 
 
 def emulate(args):
@@ -360,8 +364,9 @@ def emulate(args):
     checks = [c for c in CHECKS if args.only is None or
               any(f"{c[0]},{c[1]},{c[2]}".startswith(x) for x in args.only.split(";"))]
     rows = []
+    kern = EmulatedKernels(target, checks, emulator.FORWARD)
     for mode in (emulator.FORWARD, emulator.REVERSE):
-        kern = EmulatedKernels(target, checks, mode)
+        kern.mode = mode
         for fam, dtype, d, group, normalize in checks:
             for r in judged(kern, fam, dtype, d, group, normalize, device="cpu"):
                 r["entry"] += " (reverse order)" if mode == emulator.REVERSE else ""

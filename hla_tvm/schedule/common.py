@@ -163,6 +163,26 @@ def independent_outer_loops(sch):
     return loops[:keep]
 
 
+def with_children(stmt, rebuild):
+    """`stmt` with each statement directly under it replaced by rebuild(child): the statement
+    kinds scheduled kernels nest (block realizations, blocks, loops, sequences); any other
+    statement is returned as it is."""
+    from tvm import s_tir
+
+    if isinstance(stmt, s_tir.SBlockRealize):
+        return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, rebuild(stmt.block))
+    if isinstance(stmt, s_tir.SBlock):
+        return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
+                            rebuild(stmt.body), stmt.init, stmt.alloc_buffers,
+                            stmt.match_buffers, stmt.annotations)
+    if isinstance(stmt, tirx.For):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, rebuild(stmt.body),
+                        stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([rebuild(s) for s in stmt.seq])
+    return stmt
+
+
 def walk(node, visit):
     """Call visit on `node` and every statement and expression under it (the node kinds kernels
     hold: blocks, loops, sequences, stores, calls, arithmetic)."""

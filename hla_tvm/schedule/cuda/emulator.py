@@ -172,28 +172,21 @@ _AXES = {"blockIdx.x": 0, "blockIdx.y": 1, "blockIdx.z": 2,
 _LOCK = threading.Lock()
 
 
+def _spec(x):
+    """(shape, dtype name) of torch tensor x, as the kernels' argument shapes spell them."""
+    return tuple(x.shape), str(x.dtype).replace("torch.", "")
+
+
 def _host_launches(func, target):
     """(CUDA source, [(kernel name, [argument index], dims)]) of the scheduled, specialized
     `func` compiled for `target`: the launches its host function makes, in order."""
-    import tvm
-
-    from ..common import walk
-
-    host = []
-
-    @tvm.instrument.pass_instrument
-    class _Grab:
-        def run_after_pass(self, mod, info):
-            if info.name.endswith("SplitHostDevice") and not host:
-                host.extend(f for f in mod.functions.values()
-                            if f.attrs is not None and "tirx.is_entry_func" in f.attrs)
-
-    with tvm.transform.PassContext(instruments=[_Grab()]):
-        exe = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=target)
     from ...device_code import cuda_source
+    from ..common import walk
+    from .limits import split_host_device
 
-    params = [p.name for p in host[0].params]
+    exe, _, split = split_host_device(func, target)
+    host = next(f for f in split if f.attrs is not None and "tirx.is_entry_func" in f.attrs)
+    params = [p.name for p in host.params]
     launches = []
 
     def visit(node):
@@ -214,17 +207,16 @@ def _host_launches(func, target):
             index.append(params.index(arg.args[0].name))
         launches.append((name, index, dims))
 
-    walk(host[0].body, visit)
+    walk(host.body, visit)
     return cuda_source(exe), launches
 
 
 def _launcher(name, params):
     """C++ of `extern "C" int emu_launch_<name>(void** args, const long* dims, int mode,
-    unsigned seed)` calling kernel `name` with parameters `params` (its C declarations)."""
-    casts = []
-    for i, p in enumerate(params):
-        ctype = re.sub(r"\b__restrict__\b", "", p.rsplit(None, 1)[0]).strip()
-        casts.append(f"({ctype})a[{i}]" if ctype.endswith("*") else f"*({ctype}*)a[{i}]")
+    unsigned seed)` calling kernel `name` with parameters `params` (its C declarations: buffer
+    pointers, the only arguments `_host_launches` passes)."""
+    casts = [f"({re.sub(r'__restrict__', '', p.rsplit(None, 1)[0]).strip()})a[{i}]"
+             for i, p in enumerate(params)]
     return (f'extern "C" int emu_launch_{name}(void** a, const long* dims, int mode, '
             f"unsigned seed) {{\n  emu_body = [=]() {{ {name}({', '.join(casts)}); }};\n"
             f"  return emu_grid(dims, mode, seed);\n}}\n")
@@ -276,16 +268,14 @@ class Emulated:
 
         self.name, self.shapes = name, [(tuple(int(d) for d in s), str(t)) for s, t in shapes]
         source, self.launches = _host_launches(specialize(func, shapes), target)
-        cpp, self.arity = translate(source)
-        self.lib = _compile(cpp)
+        self.lib = _compile(translate(source)[0])
 
     def __call__(self, *tensors, mode=FORWARD, seed=0):
         if len(tensors) != len(self.shapes):
             raise TypeError(f"{self.name}: {len(tensors)} tensors for {len(self.shapes)} "
                             "parameters")
         for i, (x, (shape, dtype)) in enumerate(zip(tensors, self.shapes)):
-            if tuple(x.shape) != shape or str(x.dtype).replace("torch.", "") != dtype or \
-                    x.device.type != "cpu" or not x.is_contiguous():
+            if _spec(x) != (shape, dtype) or x.device.type != "cpu" or not x.is_contiguous():
                 raise ValueError(f"{self.name}: argument {i} is {tuple(x.shape)} "
                                  f"{x.dtype} on {x.device}; expected a contiguous CPU tensor "
                                  f"{shape} {dtype}")
@@ -302,24 +292,26 @@ class Emulated:
 
 
 class _ByShape:
-    """A scheduled kernel emulated for the shapes of the tensors it is called with."""
+    """A scheduled kernel emulated for the shapes of the tensors it is called with (built once
+    per shapes); threads in order `mode` (its own unless the call gives one)."""
 
     def __init__(self, func, name, target, mode, seed):
         self.func, self.name, self.target, self.mode, self.seed = func, name, target, mode, seed
         self.built = {}
 
-    def __call__(self, *tensors):
-        shapes = tuple((tuple(x.shape), str(x.dtype).replace("torch.", "")) for x in tensors)
+    def __call__(self, *tensors, mode=None):
+        shapes = tuple(_spec(x) for x in tensors)
         if shapes not in self.built:
             self.built[shapes] = Emulated(self.func, shapes, self.target, self.name)
-        self.built[shapes](*tensors, mode=self.mode, seed=self.seed)
+        self.built[shapes](*tensors, mode=self.mode if mode is None else mode, seed=self.seed)
 
 
 def chain_functions(chain, dk, dv, target, *, chunk=None, group=1, mode=FORWARD, seed=0,
                     **opts):
     """What `hla_tvm.backend.run_chain` calls for `chain` (`kernels.chains`) on torch CPU
     tensors: each call's kernel under the default CUDA schedule for `target`, emulated (threads
-    and blocks in `mode`'s order); opts: the kernels' (dtype, normalize, ...)."""
+    and blocks in `mode`'s order, or in that of a `mode=` keyword to the call); opts: the
+    kernels' (dtype, normalize, ...)."""
     from ...kernels import chains
     from . import scheduled
 

@@ -6,23 +6,30 @@ from __future__ import annotations
 import math
 
 
-def _lowered(func, target):
-    """The PrimFunc `func` becomes in TVM's pipeline for `target` just before SplitHostDevice
-    (barriers inserted, shared memory merged)."""
+def split_host_device(func, target):
+    """(executable, functions before, functions after SplitHostDevice) of `func` compiled by
+    `tvm.compile` for `target`: before, the one function with barriers inserted and shared
+    memory merged; after, its host function (attribute "tirx.is_entry_func", launching the
+    kernels) and the device kernels. (The functions are taken as the pass sees them: later
+    passes may rewrite the module that held them.)"""
     import tvm
 
-    seen = []
+    seen = {}
 
     @tvm.instrument.pass_instrument
     class _Grab:
         def run_before_pass(self, mod, info):
-            if info.name.endswith("SplitHostDevice") and not seen:
-                seen.extend(mod.functions.values())
+            if info.name.endswith("SplitHostDevice"):
+                seen.setdefault("before", list(mod.functions.values()))
+
+        def run_after_pass(self, mod, info):
+            if info.name.endswith("SplitHostDevice"):
+                seen.setdefault("after", list(mod.functions.values()))
 
     with tvm.transform.PassContext(instruments=[_Grab()]):
-        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                    target=target)
-    return seen[0]
+        exe = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                          target=target)
+    return exe, seen["before"], seen["after"]
 
 
 def shared_bytes(func):
@@ -58,7 +65,8 @@ def check(func, shapes, target, name="kernel"):
 
     from ..records import specialize
 
-    lowered = _lowered(specialize(func, shapes), target)
+    _, before, _ = split_host_device(specialize(func, shapes), target)
+    lowered = before[0]
     limits = {"max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"]),
               "max_threads_per_block": int(target.attrs["max_threads_per_block"]),
               "max_vthread": 8, "max_vector_bytes": 16}

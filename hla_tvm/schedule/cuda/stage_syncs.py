@@ -8,7 +8,7 @@ sequential loop over stages (the chunk loop), which orders global as well as sha
 within the thread block. Kernels that write their arguments only once need none."""
 from __future__ import annotations
 
-from ..common import walk
+from ..common import walk, with_children
 
 
 def _stage_buffers(func):
@@ -58,34 +58,27 @@ def _sync():
 def with_syncs(func):
     """`func` (scheduled: outer loops on blockIdx, stages on threadIdx) with the barriers of
     the module docstring."""
-    from tvm import s_tir, tirx
+    from tvm import tirx
 
     def rebuild(stmt, in_block):
-        if isinstance(stmt, s_tir.SBlockRealize):
-            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate,
-                                       rebuild(stmt.block, in_block))
-        if isinstance(stmt, s_tir.SBlock):
-            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
-                                rebuild(stmt.body, in_block), stmt.init, stmt.alloc_buffers,
-                                stmt.match_buffers, stmt.annotations)
         if isinstance(stmt, tirx.For):
             tag = stmt.thread_binding.thread_tag if stmt.thread_binding is not None else ""
             if tag.startswith("threadIdx"):
                 return stmt   # inside a stage
             inner = in_block or tag.startswith("blockIdx")
-            body = rebuild(stmt.body, inner)
-            if inner and not tag and isinstance(stmt.body, tirx.SeqStmt):
-                body = tirx.SeqStmt(list(body.seq) + [_sync()])   # loop-carried
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body,
-                            stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tirx.SeqStmt):
+            carried = inner and not tag and isinstance(stmt.body, tirx.SeqStmt)
+
+            def body(child):
+                out = rebuild(child, inner)
+                return tirx.SeqStmt(list(out.seq) + [_sync()]) if carried else out   # loop-carried
+
+            return with_children(stmt, body)
+        if isinstance(stmt, tirx.SeqStmt) and in_block:
             parts = [rebuild(s, in_block) for s in stmt.seq]
-            if not in_block:
-                return tirx.SeqStmt(parts)
             out = [parts[0]]
             for part in parts[1:]:
                 out += [_sync(), part]
             return tirx.SeqStmt(out)
-        return stmt
+        return with_children(stmt, lambda child: rebuild(child, in_block))
 
     return func.with_body(rebuild(func.body, False))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..common import COMM_REDUCE, DATA_PAR, among, loop_iter_types, own_loops, root_scratch, \
-    static_extent, walk, writes_alone
+    static_extent, walk, with_children, writes_alone
 
 
 def _spatial_reduce(sch, block):
@@ -73,7 +73,7 @@ def mask_write_backs(func, tails):
     predicate of its stage's block: TVM places a write-back over every thread of the stage's
     loop, the masked tail included, whose writes would land past the stage's elements (in
     another thread block's, or past the buffer)."""
-    from tvm import s_tir, tirx
+    from tvm import s_tir
 
     masks = {}
 
@@ -84,20 +84,9 @@ def mask_write_backs(func, tails):
     walk(func.body, find)
 
     def rebuild(stmt):
-        if isinstance(stmt, s_tir.SBlockRealize):
-            mask = masks.get(tails.get(stmt.block.name_hint))
-            return s_tir.SBlockRealize(stmt.iter_values,
-                                       stmt.predicate if mask is None else mask,
-                                       rebuild(stmt.block))
-        if isinstance(stmt, s_tir.SBlock):
-            return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
-                                rebuild(stmt.body), stmt.init, stmt.alloc_buffers,
-                                stmt.match_buffers, stmt.annotations)
-        if isinstance(stmt, tirx.For):
-            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
-                            rebuild(stmt.body), stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tirx.SeqStmt):
-            return tirx.SeqStmt([rebuild(x) for x in stmt.seq])
-        return stmt
+        out = with_children(stmt, rebuild)
+        mask = masks.get(tails.get(stmt.block.name_hint)) \
+            if isinstance(stmt, s_tir.SBlockRealize) else None
+        return out if mask is None else s_tir.SBlockRealize(out.iter_values, mask, out.block)
 
     return func.with_body(rebuild(func.body)) if tails else func
