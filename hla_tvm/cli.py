@@ -196,6 +196,12 @@ def _compile(args):
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
                             schedules=args.schedules)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
+    if tgt.kind.name == "cuda":
+        from .device_code import folder_beside, nvcc
+
+        print(f"wrote its device code to {folder_beside(out)}/ (keep it beside the module)"
+              if nvcc() else "no nvcc here: the GPU machine builds the device code when it "
+              "loads the module (it needs nvcc there)")
     return 0
 
 

@@ -187,8 +187,10 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU; a preset such as "aarch64", cross-linked with
     aarch64-linux-gnu-gcc; "cuda" or {"kind": "cuda", "arch": "sm_90"} for an NVIDIA GPU, the
-    library then holding the kernels' CUDA source, built for the GPU when loaded; a TVM target
-    dict) and write the library to `out`. Returns `out`.
+    library then holding the kernels' CUDA source and, where nvcc is installed, their device
+    code in a folder beside it (model.so -> model.device/, `device_code.ship`; elsewhere the
+    GPU machine builds it when loading); a TVM target dict) and write the library to `out`.
+    Returns `out`.
 
     schedules: "auto" uses the tuned records for the target (the user's, else the shipped
     `schedules/<target>/`) where they exist and the default schedules for kernels without
@@ -244,12 +246,16 @@ def resolve_model_target(target):
 
 def build(mod, meta, target, out, records_path=None):
     """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for
-    `target` (`executable`) and write the sealed library to `out` (atomically). Returns
+    `target` (`executable`) and write the sealed library to `out` (atomically); for a CUDA
+    target, its device code beside it where nvcc is installed (`device_code.ship`). Returns
     `out`."""
-    from . import libfile
+    from . import device_code, libfile
 
-    return libfile.export(executable(mod, meta, target, records_path), out,
-                          cc=cross_compiler(target))
+    exe = executable(mod, meta, target, records_path)
+    libfile.export(exe, out, cc=cross_compiler(target))
+    if target.kind.name == "cuda":
+        device_code.ship(exe, out, str(target.attrs["arch"]))
+    return out
 
 
 def executable(mod, meta, target, records_path=None):

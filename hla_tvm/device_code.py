@@ -4,7 +4,9 @@ TVM 0.27 keeps a CUDA module as CUDA C++ source and compiles it when the module 
 on a GPU (through the `tvm_callback_cuda_compile` hook, which `tvm.support.nvcc` provides).
 Building the same source here with nvcc proves the device code compiles for each architecture
 before any GPU sees it, and gives the binaries a runtime-only machine can load: `store` keeps
-them in a folder by the source's sha256, and `serve` registers the hook that returns them."""
+them in a folder by the source's sha256, and `serve` registers the hook that returns them.
+A model compiled for CUDA gets its device code beside it (`ship`: model.so -> model.device/,
+built here when nvcc is installed), so the GPU machine needs no CUDA toolkit to load it."""
 from __future__ import annotations
 
 import hashlib
@@ -75,22 +77,102 @@ def stored_path(folder, source, archs):
 
 def store(folder, source, archs):
     """The path of the device code of `source` for `archs` in `folder`, built with nvcc
-    (`compile_cuda`) unless it is there already."""
+    (`compile_cuda`) unless it is there already; a sha256 of the binary is kept beside it
+    (`read_checked`)."""
     path = stored_path(folder, source, archs)
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(compile_cuda(source, archs))
-        os.replace(tmp, path)
+        _write(path, compile_cuda(source, archs))
     return path
+
+
+def _write(path, data):
+    """Write `data` and its sha256 (path + ".sha256"), each through a temporary file."""
+    for target, blob in ((path + ".sha256", hashlib.sha256(data).hexdigest().encode()),
+                         (path, data)):
+        tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, target)
+
+
+def read_checked(path):
+    """The bytes of stored device code at `path`; ValueError naming the file when they do not
+    match the sha256 kept beside them (a truncated or altered file would otherwise reach the
+    CUDA driver)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        with open(path + ".sha256", "rb") as f:
+            want = f.read().decode("ascii", "replace").strip()
+    except OSError:
+        raise ValueError(f"{path}: device code without its checksum file ({path}.sha256); "
+                         "compile the module again") from None
+    if hashlib.sha256(data).hexdigest() != want:
+        raise ValueError(f"{path}: the device code does not match its checksum (truncated or "
+                         "altered); compile the module again")
+    return data
+
+
+def folder_beside(module_path):
+    """The folder `ship` writes the device code of the compiled module at `module_path` to:
+    model.so -> model.device."""
+    root, ext = os.path.splitext(os.fspath(module_path))
+    return (root if ext == ".so" else os.fspath(module_path)) + ".device"
+
+
+def ship(executable, module_path, arch):
+    """Build the device code of `executable` (a `tvm.compile` result) for `arch` ("sm_90"; a
+    fatbin that also holds PTX for later GPUs) into `folder_beside(module_path)`, replacing
+    what an earlier build left there; returns that path, or None when nvcc is not installed
+    here (the GPU machine then builds it when the module is first loaded)."""
+    if nvcc() is None:
+        return None
+    source = cuda_source(executable)
+    folder = folder_beside(module_path)
+    path = store(folder, source, [arch])
+    keep = {os.path.basename(path), os.path.basename(path) + ".sha256"}
+    for name in os.listdir(folder):
+        if name not in keep:
+            os.remove(os.path.join(folder, name))
+    return path
+
+
+_SHIPPED: list = []        # folders of shipped device code the hook looks in first
+_SHIPPED_LOCK = threading.Lock()
+
+
+def add_shipped(folder):
+    """Let the hook `serve` registers find device code in `folder` (a module's
+    `folder_beside`), whatever architecture it was built for."""
+    folder = os.path.abspath(folder)
+    with _SHIPPED_LOCK:
+        if folder not in _SHIPPED:
+            _SHIPPED.append(folder)
+
+
+def shipped_path(source):
+    """The shipped device code of CUDA `source` in a folder `add_shipped` named, or None."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    with _SHIPPED_LOCK:
+        folders = list(_SHIPPED)
+    for folder in folders:
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(digest + "-") and name.endswith(".fatbin"):
+                return os.path.join(folder, name)
+    return None
 
 
 def serve(folder, arch, *, override=True):
     """Register TVM's `tvm_callback_cuda_compile` hook (called when a module holding CUDA source
-    is loaded) to return the device code `store` keeps in `folder`, building what is missing
-    with nvcc for `arch` ("sm_90"). override=False keeps a hook already registered (TVM's own,
-    where its compiler is installed). Returns the hook in force."""
+    is loaded) to return the device code shipped beside the module (`add_shipped`) or kept in
+    `folder` by `store`, building what is missing with nvcc for `arch` ("sm_90").
+    override=False keeps a hook already registered (TVM's own, where its compiler is
+    installed). Returns the hook in force."""
     import tvm_ffi
 
     current = tvm_ffi.get_global_func(HOOK, allow_missing=True)
@@ -98,8 +180,13 @@ def serve(folder, arch, *, override=True):
         return current
 
     def device_code(source, *_):
-        with open(store(folder, source, [arch]), "rb") as f:
-            return f.read()
+        path = shipped_path(source)
+        if path is None and nvcc() is None:
+            raise ValueError(f"no device code for this module: it was not shipped beside the "
+                             f"module (compile it where nvcc is installed, which writes "
+                             f"model.device/ beside model.so) and nvcc is not installed here "
+                             f"to build it for {arch}")
+        return read_checked(path or store(folder, source, [arch]))
 
     tvm_ffi.register_global_func(HOOK, device_code, override=True)
     return tvm_ffi.get_global_func(HOOK)

@@ -147,6 +147,10 @@ class CompiledModel:
         self.threads = set_threads(threads)
         self._tvm = tvm
         self.device = tvm.cpu() if kind == "cpu" else _cuda_device(tvm, index)
+        if kind == "cuda":   # its device code, where it was compiled with nvcc at hand
+            from .device_code import add_shipped, folder_beside
+
+            add_shipped(folder_beside(path))
         self.on_gpu = kind == "cuda"
         # checked before the loader maps it: a bad file must not crash the process
         try:

@@ -2,6 +2,8 @@
 sm_90's limits as TVM lowers it, and its generated source builds to device code with nvcc.
 (Running them needs a GPU: `benchmarks/gpu_check.py` on a lent one.)"""
 import concurrent.futures
+import hashlib
+import os
 import re
 
 import pytest
@@ -48,6 +50,23 @@ def test_every_kernel_fits_the_architecture(arch):
                                           **_opts("hla2"))["hla2_chunk_output"]
     used = check(cuda.scheduled(func), shapes, target)
     assert 3 * 64 * 64 * 4 <= used <= CUDA_SHARED_MEMORY[arch]
+
+
+def test_scans_alone_run_one_element_per_thread():
+    """`scan_lanes` takes every scan (an element-wise recurrence: element i of the state reads
+    and writes element i alone) and no other kernel (a carry or decode mixes elements)."""
+    import tvm
+    from tvm import s_tir
+
+    from hla_tvm.schedule.cuda.scan_lanes import scan_lanes
+
+    for fam in FAMILIES:
+        for chain in _chains(fam):
+            funcs = chains.kernels(chain, 16, 16, chunk=16, **_opts(fam))
+            for call in chain.calls:
+                name = chains.kernel_name(chain, call, 16, 16)
+                sch = s_tir.Schedule(tvm.IRModule({"main": funcs[name]}))
+                assert scan_lanes(sch, 128) == (call.kernel == "scan"), name
 
 
 def test_grouped_bfloat16_and_normalized_kernels_fit():
@@ -190,7 +209,7 @@ def test_target_follows_the_tensors_device(monkeypatch):
 def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
     import tvm_ffi
 
-    from hla_tvm.device_code import HOOK, serve, stored_path
+    from hla_tvm.device_code import HOOK, _write, serve, stored_path
 
     source = 'extern "C" __global__ void one(float* x) { x[threadIdx.x] = 1.0f; }\n'
     before = tvm_ffi.get_global_func(HOOK, allow_missing=True)
@@ -200,8 +219,11 @@ def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
         path = stored_path(str(tmp_path), source, "sm_90")
         assert path != stored_path(str(tmp_path), source, "sm_80")
         assert open(path, "rb").read() == binary and b"one" in binary
-        with open(path, "wb") as f:   # served from the folder, not built again
-            f.write(b"stored")
+        with open(path, "ab") as f:   # altered: refused, naming the file
+            f.write(b"!")
+        with pytest.raises(ValueError, match="does not match its checksum"):
+            hook(source)
+        _write(path, b"stored")   # served from the folder, not built again
         assert bytes(hook(source)) == b"stored"
         assert serve(str(tmp_path / "other"), "sm_80", override=False).same_as(hook)
     finally:
@@ -210,7 +232,7 @@ def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
 
 
 @pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
-def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path):
+def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
     """A whole HLALM (decayed second order, two layers) for both architectures: the library
     holds its HLA kernel's CUDA source with the model's other functions, that source builds to
     device code for the architecture, and a CPU-only runtime refuses it with a clear word."""
@@ -248,6 +270,33 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path):
                  "-o", str(tmp_path / "cli.so")]) == 0
     with pytest.raises(ValueError, match="compiled for an NVIDIA GPU"):
         load(tmp_path / "cli.so")
+    # its device code was written beside it, for the module's own source; a GPU machine
+    # without nvcc is served it (and refuses a module whose device code is not there)
+    shipped = os.listdir(tmp_path / "cli.device")
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    assert sorted(shipped) == [f"{digest}-sm_90.fatbin", f"{digest}-sm_90.fatbin.sha256"]
+    _served_without_nvcc(tmp_path, source, monkeypatch)
+
+
+def _served_without_nvcc(tmp_path, source, monkeypatch):
+    import tvm_ffi
+
+    from hla_tvm import device_code
+
+    before = tvm_ffi.get_global_func(device_code.HOOK, allow_missing=True)
+    monkeypatch.setattr(device_code, "nvcc", lambda: None)
+    monkeypatch.setattr(device_code, "_SHIPPED", [])
+    try:
+        hook = device_code.serve(str(tmp_path / "cache"), "sm_90")
+        with pytest.raises(ValueError, match="nvcc is not installed here"):
+            hook(source)
+        device_code.add_shipped(device_code.folder_beside(tmp_path / "cli.so"))
+        binary = bytes(hook(source))
+        assert all(n.encode() in binary for n in
+                   re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    finally:
+        if before is not None:
+            tvm_ffi.register_global_func(device_code.HOOK, before, override=True)
 
 
 def test_second_order_prefills_through_the_scan_chain_on_gpus():

@@ -1,6 +1,7 @@
 """Default CUDA schedule rules for the HLA kernels, one per module; `scheduled` runs them in
 order on one PrimFunc:
 
+    scan_lanes               an element-wise scan: one lane per thread, chunks in order (alone)
     shared_scratch.hoist     scratch allocated in loop bodies declared on the root block
     inline_scratch           element-wise stages of scratch alone computed where they are read
     block_per_outer          independent outer loops (batch, head[, chunk]) -> blockIdx.x
@@ -14,11 +15,15 @@ from __future__ import annotations
 from ..common import ScheduledOnce
 from .block_per_outer import block_per_outer
 from .inline_scratch import inline_scratch
+from .scan_lanes import scan_lanes
 from .shared_scratch import hoist, shared_scratch
 from .stage_syncs import reads_back, updates_in_place, with_syncs
-from .thread_stages import mask_write_backs, stage_threads, thread_stages
+from .thread_stages import chunk_threads, mask_write_backs, stage_threads, thread_stages
 
-THREADS = 128   # threads per block: four warps
+THREADS = 128   # threads per block of a kernel updating its state in place: four warps
+# threads per block of a chunk kernel whose matrix products fill them (`chunk_threads`): eight
+# warps (its shared memory allows one or two blocks per multiprocessor at head size 128)
+CHUNK_THREADS = 256
 
 
 def schedule(func):
@@ -29,7 +34,12 @@ def schedule(func):
     name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else None
     # held here: a function the module alone referenced was scheduled in place, rewriting the
     # caller's function too (its body is shared)
-    plain = hoist(func.with_attr("global_symbol", "main"))
+    plain = func.with_attr("global_symbol", "main")
+    sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
+    if scan_lanes(sch, THREADS):
+        out = sch.mod["main"]
+        return out if name is None else out.with_attr("global_symbol", name)
+    plain = hoist(plain)
     sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
     in_place = updates_in_place(sch.mod["main"])
     synced = in_place or reads_back(sch.mod["main"])
@@ -37,7 +47,8 @@ def schedule(func):
         inline_scratch(sch, "main")
     block_per_outer(sch, "main")
     shared_scratch(sch, "main")
-    threads = stage_threads(sch, THREADS) if in_place else THREADS
+    threads = stage_threads(sch, THREADS) if in_place else \
+        chunk_threads(sch, CHUNK_THREADS, THREADS)
     tails = thread_stages(sch, "main", threads, registers=not in_place)
     out = mask_write_backs(sch.mod["main"], tails)
     if synced:
