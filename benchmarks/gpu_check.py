@@ -2,8 +2,9 @@
 prefill timed there beside PyTorch, from a bundle made on a machine with TVM's compiler.
 
     python benchmarks/gpu_check.py prepare [--bundle gpu_bundle] [--arch sm_90]
-        (here: TVM's compiler and nvcc) compiles the CUDA kernel modules the check runs, builds
-        their device code with nvcc, and gathers the runtime: libtvm_runtime.so,
+        (here: TVM's compiler and nvcc) compiles the CUDA kernel modules the check runs (and
+        the timed prefills' schedule variants), builds their device code with nvcc, and
+        gathers the runtime: libtvm_runtime.so,
         libtvm_runtime_cuda.so and a cp312 apache-tvm-ffi wheel (pip downloads it once).
     python benchmarks/gpu_check.py emulate [--only 'hla2d,float32,8;ahla'] [--arch sm_90]
         (here, no GPU) the same checks with every CUDA kernel emulated on the CPU thread by
@@ -35,7 +36,9 @@ The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.
 Timed: decode at B64 H32 D128 (float32 state) against `hla_tvm.fast.step` eager and under
 torch.compile, as a share of the measured copy bandwidth; prefill at B1 H32 T32768 D128 bfloat16
 against `hla_tvm.fast.chunk` (float32 work, as `hla(backend="torch")`) eager and under
-torch.compile, and SDPA causal softmax (flash) on the same inputs.
+torch.compile, and SDPA causal softmax (flash) on the same inputs, each family's chain also
+with the schedule variants of `VARIANTS` (the ninth session's schedule among them), so a
+schedule change is judged beside its predecessor in one run.
 
 TVM 0.27 keeps a module's CUDA code as source and builds it when the module is loaded, through
 the `tvm_callback_cuda_compile` hook. `run` registers a hook serving the device code `prepare`
@@ -69,6 +72,16 @@ CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2d", "ahla", "hla3")
     # one chunk on the H200 (docs/cuda.md)
     ("hla2", "float32", 8, 1, False), ("hla2d", "float32", 8, 1, False)]
 DECODE_TIMED = ("hla2d", "ahla", "hla3")   # B64 H32 D128 float32
+# prefill chains (B1 H32 T D128 bfloat16) built with other schedules too (`cuda.schedule`'s
+# variant arguments; "chunk": another chunk size) and timed beside the default in the same
+# run: the ninth session's schedule (scans one block per (batch, head), one output per thread,
+# 128 threads), the register tiles on 128 threads, and chunks of 32 (less shared memory per
+# block: AHLA's and third order's kernels take up to 197 kB at 64, one block per
+# multiprocessor)
+PREFILL_VARIANTS = ("hla2d", "ahla", "hla3")
+VARIANTS = {"ninth-session": dict(lanes=False, tiles=(), chunk_threads=128),
+            "tiles-128-threads": dict(chunk_threads=128),
+            "chunk-32": dict(chunk=32)}
 
 
 def entry_id(fam, phase, dtype, d, group=1, normalize=False):
@@ -112,31 +125,47 @@ def prepare(args):
     import tvm
 
     from hla_tvm import backend
-    from hla_tvm.build import compile_kernels
+    from hla_tvm.build import TUNED, compile_kernels
     from hla_tvm.device_code import cuda_source, store
+    from hla_tvm.schedule import cuda
     from hla_tvm.target import resolve
 
     target = resolve({"kind": "cuda", "arch": args.arch})
     bundle = os.path.abspath(args.bundle)
+    for sub in ("modules", "device", "models"):   # built again: never an earlier schedule's
+        shutil.rmtree(os.path.join(bundle, sub), ignore_errors=True)
     for sub in ("modules", "device", "runtime", "wheels"):
         os.makedirs(os.path.join(bundle, sub), exist_ok=True)
     manifest = {"arch": args.arch, "tvm": tvm.__version__, "entries": {}}
     wanted = entries(target)
+    timed_variants = {entry_id(fam, "prefill", "bfloat16", 128) for fam in PREFILL_VARIANTS}
     for n, (eid, chain, d, group, chunk, opts) in enumerate(wanted):
-        path = os.path.join(bundle, "modules", eid + ".so")
         decode = chain.calls[0].kernel == "decode"
         t0 = time.time()
-        if not os.path.exists(path):
-            kernels = backend.tuning_kernels(chain, d, d, chunk=chunk, group=group, **opts)
-            exe = compile_kernels({name: f for name, (f, _) in kernels.items()}, target)
-            store(os.path.join(bundle, "device"), cuda_source(exe), [args.arch])
-            exe.export_library(path + ".tmp.so")
-            os.replace(path + ".tmp.so", path)
-        manifest["entries"][eid] = {
-            "family": chain.family, "phase": "decode" if decode else "prefill",
-            "dtype": opts["dtype"], "d": d, "group": group, "chunk": chunk,
-            "options": {k: v for k, v in opts.items() if k != "dtype"},
-            "module": f"modules/{eid}.so"}
+        variants = {None: None}
+        if not decode and eid in timed_variants:
+            variants.update(VARIANTS)
+        for variant, how in variants.items():
+            how = dict(how or {})
+            vchunk = how.pop("chunk", chunk)
+            if variant is not None and (vchunk, how) == (chunk, {}):
+                continue   # the default itself
+            vid = eid if variant is None else f"{eid}@{variant}"
+            path = os.path.join(bundle, "modules", vid + ".so")
+            if not os.path.exists(path):   # (another entry's module may be this one)
+                kernels = backend.tuning_kernels(chain, d, d, chunk=vchunk, group=group, **opts)
+                funcs = {name: f if variant is None else
+                         cuda.schedule(f.with_attr("global_symbol", name), **how).with_attr(
+                             TUNED, True) for name, (f, _) in kernels.items()}
+                exe = compile_kernels(funcs, target)
+                store(os.path.join(bundle, "device"), cuda_source(exe), [args.arch])
+                exe.export_library(path + ".tmp.so")
+                os.replace(path + ".tmp.so", path)
+            manifest["entries"][vid] = {
+                "family": chain.family, "phase": "decode" if decode else "prefill",
+                "dtype": opts["dtype"], "d": d, "group": group, "chunk": vchunk,
+                "options": {k: v for k, v in opts.items() if k != "dtype"},
+                "module": f"modules/{vid}.so", "variant": variant}
         print(f"[{n + 1}/{len(wanted)}] {eid}: chunk {chunk}, {time.time() - t0:.1f} s", flush=True)
     lib = os.path.join(os.path.dirname(tvm.__file__), "lib")
     for name in ("libtvm_runtime.so", "libtvm_runtime_cuda.so"):
@@ -154,6 +183,12 @@ def prepare(args):
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(bundle, "**"), recursive=True)
                if os.path.isfile(p))
     print(f"bundle {bundle}: {len(manifest['entries'])} modules, {size / 2**20:.1f} MiB")
+    tracked = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True)
+    tree = sum(os.path.getsize(os.path.join(ROOT, p)) for p in
+               tracked.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p)))
+    if (size + tree) / 2**20 > 60:   # what one device call carries: 64 MiB in all
+        print(f"warning: bundle and checkout together are {(size + tree) / 2**20:.1f} MiB, near "
+              "the 64 MiB one device call carries", flush=True)
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -468,8 +503,10 @@ def worker_timing(args):
             break
         try:
             time_prefill(kern, fam, args.prefill_tokens, args.deadline, emit)
-        except Exception as err:
-            emit({"bench": "prefill", "family": fam, "error": f"{type(err).__name__}: {err}"[:600]})
+        except Exception as err:   # kept with what was measured before it
+            done = [r for r in rows if (r["bench"], r.get("family")) == ("prefill", fam)]
+            emit({**(done[-1] if done else {"bench": "prefill", "family": fam}),
+                  "error": f"{type(err).__name__}: {err}"[:600]})
         torch.cuda.empty_cache()
 
 
@@ -492,7 +529,7 @@ def time_prefill(kern, fam, T, deadline, emit):
     zero = REFERENCES[fam].zero_state(B, H, d, d, torch.float32, "cuda")
     gamma = torch.ones(H, device="cuda")
 
-    def tvm_prefill():
+    def tvm_prefill(eid=eid):
         kern.run(eid, {"q": q, "k": k, "v": v, "gamma": gamma,
                        **{n: x.zero_() for n, x in zero.items()}}, out)
         return out
@@ -514,6 +551,18 @@ def time_prefill(kern, fam, T, deadline, emit):
                                                         min_seconds=0.3, max_iters=20) * 1e3, 3)
     row["tvm_kernels_ms"] = per
     emit(dict(row))
+    for vid in [x for x, v in kern.manifest["entries"].items()
+                if x.startswith(eid + "@") and v.get("variant")]:
+        if time.time() > deadline:
+            break
+        vrow = row.setdefault("variants", {})[vid.split("@", 1)[1]] = {}
+        try:
+            vrow["tvm_ms"] = cuda_time(lambda: tvm_prefill(vid), warmup=1, min_seconds=2,
+                                       max_iters=10) * 1e3
+            vrow["rel_diff_vs_default"] = rel_err(tvm_prefill(vid), o_tvm)
+        except Exception as err:
+            vrow["error"] = f"{type(err).__name__}: {err}"[:300]
+        emit(dict(row))
     form = fast_chunk.CHUNKED["hla2" if fam == "hla2d" else fam]
     o64 = form(q.double(), k.double(), v.double(), chunk_size=64)[0]
     row["tvm_rel_err_vs_float64"] = rel_err(o_tvm, o64)
@@ -804,8 +853,8 @@ def markdown(report):
                          f"({r['tvm_GB/s']:.0f} GB/s, {100 * r['share_of_copy_bw']:.0f}% of copy)"
                          f" | {r['eager_ms']:.3f} ms | "
                          f"{r.get('compiled_ms', float('nan')):.3f} ms | |")
-        elif "error" in r:
-            lines.append(f"| prefill {r['family']} | {r['error'][:300]} | | | |")
+        elif "tvm_ms" not in r:
+            lines.append(f"| prefill {r['family']} | {r.get('error', '?')[:300]} | | | |")
         else:
             lines.append(f"| prefill {r['family']} {r['shape']} (chunk {r['chunk']}) | "
                          f"{r['tvm_ms']:.1f} ms | {r.get('torch_fp32_ms', float('nan')):.1f} ms "
@@ -814,6 +863,13 @@ def markdown(report):
                          f"{r.get('sdpa_flash_ms', float('nan')):.1f} ms; TVM error "
                          f"{r.get('tvm_rel_err_vs_float64', float('nan')):.1e} |")
             lines.append(f"| (prefill kernels, ms) | {r['tvm_kernels_ms']} | | | |")
+            for name, v in r.get("variants", {}).items():
+                lines.append(f"| (schedule variant {name}) | "
+                             + (f"{v['tvm_ms']:.1f} ms (output differs from the default's by "
+                                f"{v.get('rel_diff_vs_default', float('nan')):.1e}) "
+                                if "tvm_ms" in v else "") + v.get("error", "")[:200] + " | | | |")
+            if "error" in r:
+                lines.append(f"| (then failed) | {r['error'][:300]} | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -836,10 +892,10 @@ def main(argv=None):
     p.add_argument("--check-seconds", type=float, default=180)
     p.add_argument("--timing-seconds", type=float, default=300)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d",
+    p.add_argument("--prefill-families", default="hla2d,ahla,hla3",
                    help="comma-separated kernel families whose prefill is timed (hla2d: second "
                    "order as hla() runs it on a GPU; hla2: its serial carry; ahla, hla3; no "
-                   "decay)")
+                   "decay), each beside its schedule variants (VARIANTS)")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
     p.add_argument("--compile-all", action="store_true",
                    help="torch.compile every decode step (default: second order's)")
@@ -868,7 +924,7 @@ def main(argv=None):
     p.add_argument("--result", required=True)
     p.add_argument("--deadline", type=float, required=True)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d")
+    p.add_argument("--prefill-families", default="hla2d,ahla,hla3")
     p.add_argument("--compile-all", action="store_true")
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):

@@ -197,11 +197,12 @@ def _compile(args):
                             schedules=args.schedules)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
     if tgt.kind.name == "cuda":
-        from .device_code import folder_beside, nvcc
+        from .device_code import folder_beside
 
-        print(f"wrote its device code to {folder_beside(out)}/ (keep it beside the module)"
-              if nvcc() else "no nvcc here: the GPU machine builds the device code when it "
-              "loads the module (it needs nvcc there)")
+        shipped = folder_beside(out)
+        print(f"wrote its device code to {shipped}/ (keep it beside the module)"
+              if os.path.isdir(shipped) else "no nvcc here: the GPU machine builds the device "
+              "code when it loads the module (it needs nvcc there)")
     return 0
 
 

@@ -252,10 +252,9 @@ def build(mod, meta, target, out, records_path=None):
     from . import device_code, libfile
 
     exe = executable(mod, meta, target, records_path)
-    libfile.export(exe, out, cc=cross_compiler(target))
-    if target.kind.name == "cuda":
+    if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))
-    return out
+    return libfile.export(exe, out, cc=cross_compiler(target))
 
 
 def executable(mod, meta, target, records_path=None):

@@ -77,12 +77,21 @@ def stored_path(folder, source, archs):
 
 def store(folder, source, archs):
     """The path of the device code of `source` for `archs` in `folder`, built with nvcc
-    (`compile_cuda`) unless it is there already; a sha256 of the binary is kept beside it
-    (`read_checked`)."""
+    (`compile_cuda`) unless a sound copy is there already (`read_checked`: a file without its
+    sha256 or not matching it, e.g. from an older hla_tvm, is built again)."""
     path = stored_path(folder, source, archs)
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
-        _write(path, compile_cuda(source, archs))
+    if os.path.exists(path):
+        try:
+            read_checked(path)
+            return path
+        except ValueError:
+            pass
+    os.makedirs(folder, exist_ok=True)
+    try:
+        data = compile_cuda(source, archs)
+    except ValueError as err:
+        raise ValueError(f"{path}: cannot build this device code: {err}") from None
+    _write(path, data)
     return path
 
 
@@ -107,10 +116,10 @@ def read_checked(path):
             want = f.read().decode("ascii", "replace").strip()
     except OSError:
         raise ValueError(f"{path}: device code without its checksum file ({path}.sha256); "
-                         "compile the module again") from None
+                         "delete it, or compile the module again") from None
     if hashlib.sha256(data).hexdigest() != want:
         raise ValueError(f"{path}: the device code does not match its checksum (truncated or "
-                         "altered); compile the module again")
+                         "altered); delete it, or compile the module again")
     return data
 
 
@@ -125,17 +134,28 @@ def ship(executable, module_path, arch):
     """Build the device code of `executable` (a `tvm.compile` result) for `arch` ("sm_90"; a
     fatbin that also holds PTX for later GPUs) into `folder_beside(module_path)`, replacing
     what an earlier build left there; returns that path, or None when nvcc is not installed
-    here (the GPU machine then builds it when the module is first loaded)."""
-    if nvcc() is None:
-        return None
-    source = cuda_source(executable)
+    here (the folder is then removed: the GPU machine builds the code when it loads the
+    module). ValueError naming the module when nvcc fails."""
     folder = folder_beside(module_path)
-    path = store(folder, source, [arch])
+    if nvcc() is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    try:
+        path = store(folder, cuda_source(executable), [arch])
+    except ValueError as err:
+        raise ValueError(f"{module_path}: building its device code into {folder} failed "
+                         f"({err})") from None
     keep = {os.path.basename(path), os.path.basename(path) + ".sha256"}
     for name in os.listdir(folder):
         if name not in keep:
             os.remove(os.path.join(folder, name))
     return path
+
+
+def _arch_number(arch):
+    """80 for "sm_80", 90 for "sm_90a"; None for other text."""
+    digits = "".join(c for c in arch[3:] if c.isdigit()) if arch.startswith("sm_") else ""
+    return int(digits) if digits else None
 
 
 _SHIPPED: list = []        # folders of shipped device code the hook looks in first
@@ -144,52 +164,73 @@ _SHIPPED_LOCK = threading.Lock()
 
 def add_shipped(folder):
     """Let the hook `serve` registers find device code in `folder` (a module's
-    `folder_beside`), whatever architecture it was built for."""
+    `folder_beside`)."""
     folder = os.path.abspath(folder)
     with _SHIPPED_LOCK:
         if folder not in _SHIPPED:
             _SHIPPED.append(folder)
 
 
-def shipped_path(source):
-    """The shipped device code of CUDA `source` in a folder `add_shipped` named, or None."""
+def shipped_path(source, arch):
+    """The shipped device code of CUDA `source` that runs on a GPU of architecture `arch`, in
+    a folder `add_shipped` named: built for `arch`, else for the newest older architecture
+    (its PTX is compiled for the GPU by the driver); None when there is none."""
     digest = hashlib.sha256(source.encode()).hexdigest()
+    want = _arch_number(arch)
     with _SHIPPED_LOCK:
         folders = list(_SHIPPED)
+    best = None
     for folder in folders:
         try:
-            names = sorted(os.listdir(folder))
+            names = os.listdir(folder)
         except OSError:
             continue
         for name in names:
-            if name.startswith(digest + "-") and name.endswith(".fatbin"):
-                return os.path.join(folder, name)
-    return None
+            if not (name.startswith(digest + "-") and name.endswith(".fatbin")):
+                continue
+            built = [_arch_number(a) for a in name[len(digest) + 1:-len(".fatbin")].split("-")]
+            fits = [b for b in built if b is not None and want is not None and b <= want]
+            if fits and (best is None or max(fits) > best[0]):
+                best = (max(fits), os.path.join(folder, name))
+    return None if best is None else best[1]
+
+
+_OURS: list = []   # the hooks `serve` registered
 
 
 def serve(folder, arch, *, override=True):
     """Register TVM's `tvm_callback_cuda_compile` hook (called when a module holding CUDA source
-    is loaded) to return the device code shipped beside the module (`add_shipped`) or kept in
-    `folder` by `store`, building what is missing with nvcc for `arch` ("sm_90").
-    override=False keeps a hook already registered (TVM's own, where its compiler is
-    installed). Returns the hook in force."""
+    is loaded on a GPU of architecture `arch`, "sm_90") to return the device code shipped
+    beside the module (`add_shipped`), else the code `store` keeps in `folder`, built with nvcc
+    when missing. override=False keeps a hook of ours already registered and puts the shipped
+    code in front of another one (TVM's own, where its compiler is installed: it builds the
+    rest). Returns the hook in force."""
     import tvm_ffi
 
     current = tvm_ffi.get_global_func(HOOK, allow_missing=True)
-    if current is not None and not override:
+    if current is not None and not override and any(current.same_as(h) for h in _OURS):
         return current
+    fallback = current if current is not None and not override else None
 
-    def device_code(source, *_):
-        path = shipped_path(source)
-        if path is None and nvcc() is None:
-            raise ValueError(f"no device code for this module: it was not shipped beside the "
-                             f"module (compile it where nvcc is installed, which writes "
-                             f"model.device/ beside model.so) and nvcc is not installed here "
-                             f"to build it for {arch}")
-        return read_checked(path or store(folder, source, [arch]))
+    def device_code(source, *rest):
+        path = shipped_path(source, arch)
+        if path is not None:
+            return read_checked(path)
+        if fallback is not None:
+            return fallback(source, *rest)
+        if nvcc() is None:
+            with _SHIPPED_LOCK:
+                where = ", ".join(_SHIPPED) or "none given"
+            raise ValueError(f"no device code for {arch} shipped with this module (looked in: "
+                             f"{where}; `hla_tvm.compile` writes model.device/ beside model.so "
+                             "where nvcc is installed: copy it along) and no nvcc here to "
+                             "build it")
+        return read_checked(store(folder, source, [arch]))
 
     tvm_ffi.register_global_func(HOOK, device_code, override=True)
-    return tvm_ffi.get_global_func(HOOK)
+    hook = tvm_ffi.get_global_func(HOOK)
+    _OURS.append(hook)
+    return hook
 
 
 def load_cuda_runtime(lib_dir):

@@ -150,7 +150,8 @@ class CompiledModel:
         if kind == "cuda":   # its device code, where it was compiled with nvcc at hand
             from .device_code import add_shipped, folder_beside
 
-            add_shipped(folder_beside(path))
+            for where in {path, os.path.realpath(path)}:   # (beside a link, or its file)
+                add_shipped(folder_beside(where))
         self.on_gpu = kind == "cuda"
         # checked before the loader maps it: a bad file must not crash the process
         try:

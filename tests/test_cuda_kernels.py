@@ -219,16 +219,43 @@ def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
         path = stored_path(str(tmp_path), source, "sm_90")
         assert path != stored_path(str(tmp_path), source, "sm_80")
         assert open(path, "rb").read() == binary and b"one" in binary
-        with open(path, "ab") as f:   # altered: refused, naming the file
+        with open(path, "ab") as f:   # altered: built again
             f.write(b"!")
-        with pytest.raises(ValueError, match="does not match its checksum"):
-            hook(source)
+        assert bytes(hook(source)) == binary == open(path, "rb").read()
         _write(path, b"stored")   # served from the folder, not built again
         assert bytes(hook(source)) == b"stored"
+        os.remove(path + ".sha256")   # (as an older hla_tvm left it): built again
+        assert bytes(hook(source)) == binary
         assert serve(str(tmp_path / "other"), "sm_80", override=False).same_as(hook)
     finally:
-        if before is not None:
-            tvm_ffi.register_global_func(HOOK, before, override=True)
+        _restore_hook(before)
+
+
+def _restore_hook(before):
+    import tvm_ffi
+
+    from hla_tvm.device_code import HOOK
+
+    if before is not None:
+        tvm_ffi.register_global_func(HOOK, before, override=True)
+    else:
+        tvm_ffi.remove_global_func(HOOK)
+
+
+def test_shipped_device_code_is_picked_for_the_gpu_architecture(tmp_path, monkeypatch):
+    """A module's shipped fatbin serves its own architecture and later ones (the driver
+    compiles its PTX), never an older GPU."""
+    from hla_tvm import device_code
+
+    monkeypatch.setattr(device_code, "_SHIPPED", [])
+    source = "// some CUDA source\n"
+    for arch in ("sm_80", "sm_90"):
+        device_code._write(device_code.stored_path(str(tmp_path), source, arch), arch.encode())
+    device_code.add_shipped(str(tmp_path))
+    picked = {a: device_code.shipped_path(source, a) for a in ("sm_75", "sm_86", "sm_90", "sm_100")}
+    assert picked["sm_75"] is None and device_code.shipped_path("// other\n", "sm_90") is None
+    assert [open(picked[a], "rb").read() for a in ("sm_86", "sm_90", "sm_100")] == \
+        [b"sm_80", b"sm_90", b"sm_90"]
 
 
 @pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
@@ -288,15 +315,19 @@ def _served_without_nvcc(tmp_path, source, monkeypatch):
     monkeypatch.setattr(device_code, "_SHIPPED", [])
     try:
         hook = device_code.serve(str(tmp_path / "cache"), "sm_90")
-        with pytest.raises(ValueError, match="nvcc is not installed here"):
+        with pytest.raises(ValueError, match="no nvcc here to build it"):
             hook(source)
         device_code.add_shipped(device_code.folder_beside(tmp_path / "cli.so"))
         binary = bytes(hook(source))
         assert all(n.encode() in binary for n in
                    re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+        shipped = device_code.shipped_path(source, "sm_90")
+        with open(shipped, "ab") as f:   # altered: refused, naming the file
+            f.write(b"!")
+        with pytest.raises(ValueError, match="does not match its checksum"):
+            hook(source)
     finally:
-        if before is not None:
-            tvm_ffi.register_global_func(device_code.HOOK, before, override=True)
+        _restore_hook(before)
 
 
 def test_second_order_prefills_through_the_scan_chain_on_gpus():

@@ -12,7 +12,7 @@ their own lane (one thread block per (batch, head) gave 32 blocks for an H200's 
 multiprocessors). No barrier is needed: no thread reads another's elements."""
 from __future__ import annotations
 
-from ..common import DATA_PAR, independent_outer_loops, loop_iter_types, outer_chain, \
+from ..common import DATA_PAR, among, independent_outer_loops, loop_iter_types, outer_chain, \
     static_extent
 
 
@@ -55,8 +55,8 @@ def _lane_blocks(sch, seq_loop, depth):
     extents = {static_extent(sch, lane) for lane, _ in pairs}
     if not pairs or len(extents) != 1 or None in extents:
         return None
-    written = {w.source.name for _, b in pairs for w in sch.get(b).writes}
-    positions = {}
+    written = [w.source for _, b in pairs for w in sch.get(b).writes]
+    positions = []   # (buffer, the lane's position in its indices)
     for lane, block in pairs:
         if loop_iter_types(sch, block, [lane]) != [DATA_PAR]:
             return None
@@ -64,10 +64,12 @@ def _lane_blocks(sch, seq_loop, depth):
         if var is None:
             return None
         stmt = sch.get(block)
-        for region in list(stmt.writes) + [r for r in stmt.reads if r.source.name in written]:
+        for region in list(stmt.writes) + [r for r in stmt.reads if among(r.source, written)]:
             pos = _lane_position(region, var)
-            if pos is None or positions.setdefault(region.source.name, pos) != pos:
+            seen = [p for buf, p in positions if buf.same_as(region.source)]
+            if pos is None or any(p != pos for p in seen):
                 return None
+            positions.append((region.source, pos))
     return pairs
 
 
@@ -75,8 +77,7 @@ def scan_lanes(sch, threads):
     """Schedule `sch` as the module docstring says when its function is an element-wise scan;
     returns False (and leaves `sch` as it was) when it is not."""
     outer = independent_outer_loops(sch)
-    chain = outer_chain(sch)
-    if not outer or len(chain) != len(outer) + 1:
+    if not outer or len(outer_chain(sch)) <= len(outer):
         return False
     seq_loop = sch.get_loops(sch.get_child_blocks(sch.get_sblock("root"))[0])[len(outer)]
     pairs = _lane_blocks(sch, seq_loop, len(outer))

@@ -26,33 +26,35 @@ def _spatial_reduce(sch, block):
             [lp for lp, k in zip(loops, kinds) if k == COMM_REDUCE])
 
 
+def _summing_sizes(sch, loops=None):
+    """The number of outputs of each stage that sums (a reduction) over static output loops
+    (of `loops` output loops only, when given)."""
+    sizes = []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        spatial, reduce_ = _spatial_reduce(sch, block)
+        extents = [static_extent(sch, lp) for lp in spatial]
+        if spatial and reduce_ and all(extents) and loops in (None, len(spatial)):
+            sizes.append(math.prod(extents))
+    return sizes
+
+
 def stage_threads(sch, most):
     """Threads per block for a kernel updating its state in place: the largest count up to
     `most` that divides every summing stage's number of output elements, so that no sum runs
     under a predicate (TVM cannot place the barriers a sum into shared memory needs under one);
     element-wise stages may (their tail is masked)."""
-    sizes = []
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        spatial, reduce_ = _spatial_reduce(sch, block)
-        extents = [static_extent(sch, lp) for lp in spatial]
-        if spatial and reduce_ and all(extents):
-            sizes.append(math.prod(extents))
+    sizes = _summing_sizes(sch)
     count = math.gcd(*sizes) if sizes else most
     return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
 
 
-def chunk_threads(sch, most, fewest):
+def product_threads(sch, most, fewest):
     """Threads per block for a kernel that is no in-place update: `most` where it has matrix
     products (stages with two output loops and a sum) and each has at least that many outputs,
     else `fewest` (decode kernels: no matrix products). (With more threads than such a stage's
     outputs, TVM 0.27 failed to place a barrier in second order's summary kernel at head size
-    8: "Cannot insert syncs inside condition".)"""
-    sizes = []
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        spatial, reduce_ = _spatial_reduce(sch, block)
-        extents = [static_extent(sch, lp) for lp in spatial]
-        if len(spatial) == 2 and reduce_ and all(extents):
-            sizes.append(math.prod(extents))
+    8: "Cannot insert syncs inside condition"; every family compiles at head sizes 8 to 128.)"""
+    sizes = _summing_sizes(sch, loops=2)
     return most if sizes and min(sizes) >= most else fewest
 
 
@@ -62,45 +64,22 @@ def chunk_threads(sch, most, fewest):
 TILES = ((4, 4), (2, 4), (4, 2), (2, 2))
 
 
-def _tile(sch, spatial, threads):
+def _tile(sch, spatial, threads, tiles=TILES):
     """The register tile of a matrix-product stage with output loops `spatial` (rows, columns):
-    the largest of `TILES` dividing both extents that still leaves every thread a tile; None
+    the largest of `tiles` dividing both extents that still leaves every thread a tile; None
     (one element per thread) for other stages or where no tile leaves enough."""
     if len(spatial) != 2:
         return None
     rows, cols = (static_extent(sch, lp) for lp in spatial)
     if not rows or not cols:
         return None
-    for rt, rc in TILES:
+    for rt, rc in tiles:
         if rows % rt == 0 and cols % rc == 0 and (rows // rt) * (cols // rc) >= threads:
             return rt, rc
     return None
 
 
-def _tiled(sch, block, spatial, reduce_, tile, threads):
-    """Schedule the matrix-product stage `block` with each thread summing an rt x rc `tile` of
-    adjacent outputs in registers (rt * rc independent sums per step of the reduction, each
-    operand element loaded once for rt or rc of them); returns (name of the register
-    write-back, True when the tiles do not fill the last round of threads: its tail is
-    masked)."""
-    (rt, rc), (i, j) = tile, spatial
-    ip, ia = sch.split(i, [None, rt])
-    jf, je = sch.split(j, [None, rc])
-    sch.reorder(ip, jf, *reduce_, ia, je)
-    fused = sch.fuse(ip, jf)
-    tiles = static_extent(sch, fused)
-    _, inner = sch.split(fused, [None, threads])
-    sch.bind(inner, "threadIdx.x")
-    acc = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(acc, inner)
-    init = sch.decompose_reduction(block, reduce_[0])
-    for b in (block, init, acc):
-        for lp in sch.get_loops(b)[-2:]:
-            sch.unroll(lp)
-    return sch.get(acc).name_hint, tiles % threads != 0
-
-
-def thread_stages(sch, func_name, threads, registers=True):
+def thread_stages(sch, func_name, threads, registers=True, tiles=TILES):
     """Schedule every stage of the root block as the module docstring says; returns
     {register write-back block name: its stage's block name} for the stages with a masked
     tail (`mask_write_backs` gives the write-backs the stage's mask)."""
@@ -112,25 +91,31 @@ def thread_stages(sch, func_name, threads, registers=True):
         if not spatial and all(w.source.scope() == "local" and among(w.source, scratch)
                                for w in writes):
             continue   # one value in a register of every thread: each computes it itself
-        tile = _tile(sch, spatial, threads) if registers and reduce_ and \
-            sch.get(block).init is not None and writes_alone(sch, block) else None
-        if tile is not None:
-            name = sch.get(block).name_hint
-            write_back, masked = _tiled(sch, block, spatial, reduce_, tile, threads)
-            if masked:
-                tails[write_back] = name
-            continue
-        if reduce_:
+        summing = registers and bool(reduce_) and sch.get(block).init is not None and \
+            writes_alone(sch, block)
+        tile = _tile(sch, spatial, threads, tiles) if summing else None
+        outputs = spatial
+        if tile is not None:   # a thread sums rt x rc adjacent outputs: tile loops innermost
+            (rt, rc), (i, j) = tile, spatial
+            ip, ia = sch.split(i, [None, rt])
+            jf, je = sch.split(j, [None, rc])
+            sch.reorder(ip, jf, *reduce_, ia, je)
+            outputs = [ip, jf]
+        elif reduce_:
             sch.reorder(*spatial, *reduce_)
-        fused = (sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]) if spatial else \
+        fused = (sch.fuse(*outputs) if len(outputs) > 1 else outputs[0]) if outputs else \
             sch.add_unit_loop(block)
         extent = static_extent(sch, fused)
         _, inner = sch.split(fused, [None, threads])
         sch.bind(inner, "threadIdx.x")
-        if registers and reduce_ and sch.get(block).init is not None and \
-                writes_alone(sch, block):
+        if summing:
             acc = sch.cache_write(block, 0, "local")
             sch.reverse_compute_at(acc, inner)
+            if tile is not None:   # the tile's sums start at zero before the reduction
+                init = sch.decompose_reduction(block, reduce_[0])
+                for b in (block, init, acc):
+                    for lp in sch.get_loops(b)[-2:]:
+                        sch.unroll(lp)
             if not extent or extent % threads:
                 tails[sch.get(acc).name_hint] = sch.get(block).name_hint
     return tails
