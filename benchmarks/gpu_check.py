@@ -104,12 +104,18 @@ def entries(target, checks=CHECKS, timed=True):
         wanted.append((entry_id(fam, "prefill", dtype, d, group, normalize),
                        chains.prefill(fam), d, group, opts))
         dfam = "hla2d" if fam == "hla2" else fam
-        wanted.append((entry_id(dfam, "decode", dtype, d, group, normalize),
-                       chains.decode(dfam), d, group, dict(OPTS[dfam], normalize=normalize,
-                                                            eps=1e-6, dtype=dtype)))
+        dchain = chains.decode(dfam)
+        wanted.append((entry_id(dfam, "decode", dtype, d, group, normalize), dchain, d, group,
+                       dict(OPTS[dfam], normalize=normalize, eps=1e-6, dtype=dtype,
+                            **chains.gpu_options(dchain))))
     for fam in DECODE_TIMED if timed else ():   # no decay (gamma = 1), plain options
-        wanted.append((entry_id(fam, "decode", "float32", 128), chains.decode(fam), 128, 1,
-                       dict(OPTS[fam], normalize=False, eps=1e-6, dtype="float32")))
+        dchain = chains.decode(fam)
+        plain = dict(OPTS[fam], normalize=False, eps=1e-6, dtype="float32")
+        wanted.append((entry_id(fam, "decode", "float32", 128), dchain, 128, 1,
+                       dict(plain, **chains.gpu_options(dchain))))
+        if chains.gpu_options(dchain):   # timed beside the kernel the CPU runs
+            wanted.append((entry_id(fam, "decode", "float32", 128) + "@cpu-kernel", dchain, 128,
+                           1, plain))
     out, seen = [], set()
     for eid, chain, d, group, opts in wanted:
         if eid not in seen:
@@ -487,6 +493,12 @@ def worker_timing(args):
                "tvm_ms": t_tvm * 1e3, "eager_ms": t_eager * 1e3,
                "tvm_GB/s": nbytes / t_tvm / 1e9, "state_MB": nbytes / 2 / 1e6,
                "share_of_copy_bw": nbytes / t_tvm / copy_bw}
+        if eid + "@cpu-kernel" in kern.manifest["entries"]:   # the CPU's form of the kernel
+            _, _, (fn_cpu,) = kern.functions(eid + "@cpu-kernel")
+            with kern.ffi.use_torch_stream():
+                t_cpu_form = cuda_time(lambda: fn_cpu(*args_))
+            row["cpu_kernel_ms"] = t_cpu_form * 1e3
+            row["cpu_kernel_share_of_copy_bw"] = nbytes / t_cpu_form / copy_bw
         if fam == "hla2d" or args.compile_all:
             try:
                 t0 = time.time()
@@ -852,7 +864,10 @@ def markdown(report):
             lines.append(f"| decode {r['family']} {r['shape']} | {r['tvm_ms']:.3f} ms "
                          f"({r['tvm_GB/s']:.0f} GB/s, {100 * r['share_of_copy_bw']:.0f}% of copy)"
                          f" | {r['eager_ms']:.3f} ms | "
-                         f"{r.get('compiled_ms', float('nan')):.3f} ms | |")
+                         f"{r.get('compiled_ms', float('nan')):.3f} ms | "
+                         + (f"the CPU's kernel form: {r['cpu_kernel_ms']:.3f} ms "
+                            f"({100 * r['cpu_kernel_share_of_copy_bw']:.0f}%)"
+                            if "cpu_kernel_ms" in r else "") + " |")
         elif "tvm_ms" not in r:
             lines.append(f"| prefill {r['family']} | {r.get('error', '?')[:300]} | | | |")
         else:

@@ -56,6 +56,8 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
     record use its schedule, the others the default one."""
     from .schedule import records
 
+    if target.kind.name == "cuda":
+        opts = {**opts, **chains.gpu_options(chain)}
     phase = "decode" if chain.calls[0].kernel == "decode" else "prefill"
     spec = {"kind": f"{chain.family}_{phase}", "dk": dk, "dv": dv, **opts}
     if chunk is not None:

@@ -37,9 +37,9 @@ def test_every_kernel_fits_the_architecture(arch):
     target = resolve({"kind": "cuda", "arch": arch})
     for fam in FAMILIES:
         for chain in _chains(fam):
-            if chain.calls[0].kernel == "decode":
-                for name, (func, shapes) in backend.tuning_kernels(chain, 64, 64,
-                                                                   **_opts(fam)).items():
+            if chain.calls[0].kernel == "decode":   # (as GPUs run it: `chains.gpu_options`)
+                for name, (func, shapes) in backend.tuning_kernels(
+                        chain, 64, 64, **_opts(fam), **chains.gpu_options(chain)).items():
                     check(cuda.scheduled(func), shapes, target, name)
                 continue
             # every kernel of the chain is checked at the chunk size chosen

@@ -89,6 +89,8 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     fam = chains.family(op_name, decayed=gamma is not None, decode=decode,
                         gpu=_GPU_TARGET.get() is not None)
     chain = chains.decode(fam) if decode else chains.prefill(fam)
+    if _GPU_TARGET.get() is not None:
+        opts = {**opts, **chains.gpu_options(chain)}
     if _GPU_TARGET.get() is not None and not decode:
         from ..backend import gpu_chunk
 

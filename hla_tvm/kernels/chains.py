@@ -137,6 +137,14 @@ def family(op_name, *, decayed, decode, gpu=False):
     return op_name
 
 
+def gpu_options(chain):
+    """Kernel options `chain` takes on GPUs, beyond the operator's: second order's decode
+    reads each state element once (`hla2_decay.decode_columns`; its row-wise form, which the
+    CPU records were tuned for, reads C three times)."""
+    return {"columns": True} if chain.family == "hla2d" and chain.calls[0].kernel == "decode" \
+        else {}
+
+
 def prefill(fam):
     """The chunked prefill chain of kernel family `fam`."""
     return Chain(fam, _PREFILL[fam])

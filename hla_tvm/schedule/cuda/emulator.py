@@ -315,7 +315,8 @@ def chain_functions(chain, dk, dv, target, *, chunk=None, group=1, mode=FORWARD,
     from ...kernels import chains
     from . import scheduled
 
-    funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
+    funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group,
+                           **{**opts, **chains.gpu_options(chain)})
     return [_ByShape(scheduled(funcs[name].with_attr("global_symbol", name)), name, target,
                      mode, seed)
             for name in (chains.kernel_name(chain, c, dk, dv, group) for c in chain.calls)]

@@ -27,13 +27,18 @@ def _spatial_reduce(sch, block):
 
 
 def _summing_sizes(sch, loops=None):
-    """The number of outputs of each stage that sums (a reduction) over static output loops
-    (of `loops` output loops only, when given)."""
+    """The number of outputs of each stage that sums over static output loops (a reduction
+    loop, or a loop inside its block: `hla2_decay.decode_columns`) (of `loops` output loops
+    only, when given)."""
+    from tvm import tirx
+
     sizes = []
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         spatial, reduce_ = _spatial_reduce(sch, block)
         extents = [static_extent(sch, lp) for lp in spatial]
-        if spatial and reduce_ and all(extents) and loops in (None, len(spatial)):
+        inner = []
+        walk(sch.get(block).body, lambda n: inner.append(n) if isinstance(n, tirx.For) else None)
+        if spatial and (reduce_ or inner) and all(extents) and loops in (None, len(spatial)):
             sizes.append(math.prod(extents))
     return sizes
 
