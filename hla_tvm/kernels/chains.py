@@ -139,7 +139,7 @@ def family(op_name, *, decayed, decode, gpu=False):
 
 def gpu_options(chain):
     """Kernel options `chain` takes on GPUs, beyond the operator's: second order's decode
-    reads each state element once (`hla2_decay.decode_columns`; its row-wise form, which the
+    reads each state element once (`hla2_decay.decode(columns=True)`; its row-wise form, which the
     CPU records were tuned for, reads C three times)."""
     return {"columns": True} if chain.family == "hla2d" and chain.calls[0].kernel == "decode" \
         else {}

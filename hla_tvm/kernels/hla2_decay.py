@@ -17,7 +17,7 @@ tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
         M   = (g^t Q Sc Q^T + l Q Q^T) * Gamma + ((W * Gamma) K Q^T) * Gamma - (W B) * Gamma'
         den = the same with Cc -> mc, Gc -> hc, V -> 1, plus eps           (parallel)
     (unmasked drops every G, h term, the g^(t-1) L weight and the W B term.)
-    decode         Algorithm 1 for one token, in place (GPUs: decode_columns, the same step
+    decode         Algorithm 1 for one token, in place (GPUs: columns=True, the same step
                    reading each state element once).
 With grouped heads (group > 1) the key/value-head buffers (S, dS, Sc, KK, gl) are read at head
 h // group by query head h (the decay is equal within a group).
@@ -38,11 +38,14 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
            dtype="float32", group=1, columns=False):
     """G = gG + k (k^T C), h = gh + k (k^T m) (C, m before the token), S = gS + k k^T,
     C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]
-    (without the G, h terms when unmasked). gamma [H]: ones for no decay. columns=True:
-    `decode_columns`, the same step reading each state element once (for GPUs)."""
-    if columns:
-        return decode_columns(dk, dv, masked=masked, normalize=normalize, eps=eps, ridge=ridge,
-                              dtype=dtype, group=group)
+    (without the G, h terms when unmasked). gamma [H]: ones for no decay.
+
+    columns=True (for GPUs) reads each element of S, C and G once and writes it once (S
+    symmetric): column i of S gives u_i = g (S q)_i + k_i (k.q) + l q_i = ((S_new + lI) q)_i
+    while it is updated; column j of C gives (k^T C)_j and (u^T C)_j while it is updated, then
+    column j of G gives (q^T G)_j while G_new = gG + k (k^T C) is written; o_j = g (u^T C)_j
+    + (u.q) v_j - g (q^T G)_j - (q.k) (k^T C)_j (C, G before the token). The row-wise form
+    (the CPU's, which its tuned records are for) reads C three times and S and G twice."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     mk = 1.0 if masked else 0.0
@@ -72,26 +75,30 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             num = T.alloc_buffer((dv,), acc)
             den = T.alloc_buffer((1,), acc)
             _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
-            _vecmat(kC, ka, C, b, h, dk, dv, "kC")
-            _vecdot(km, ka, m, b, h, dk, "km")
-            _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
-            _update_outer(C, g, qa, va, b, h, dk, dv, "C")
-            _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
-            _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
-            _update_axpy(m, g, qa, _c(1), b, h, dk, "m")
-            for l, i in T.grid(dk, dk):
-                with T.sblock("u"):     # u = (S + lI) q  (S symmetric)
-                    vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
-                    with T.init():
-                        u[vi] = _c(ridge) * qa[vi]
-                    u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
-            for i, j in T.grid(dk, dv):
-                with T.sblock("num"):   # u^T C - q^T G
-                    vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
-                    with T.init():
-                        num[vj] = _c(0)
-                    num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
-                        - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
+            if columns:
+                _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk,
+                         acc)
+            else:
+                _vecmat(kC, ka, C, b, h, dk, dv, "kC")
+                _vecdot(km, ka, m, b, h, dk, "km")
+                _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
+                _update_outer(C, g, qa, va, b, h, dk, dv, "C")
+                _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
+                _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
+                _update_axpy(m, g, qa, _c(1), b, h, dk, "m")
+                for l, i in T.grid(dk, dk):
+                    with T.sblock("u"):     # u = (S + lI) q  (S symmetric)
+                        vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
+                        with T.init():
+                            u[vi] = _c(ridge) * qa[vi]
+                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
+                for i, j in T.grid(dk, dv):
+                    with T.sblock("num"):   # u^T C - q^T G
+                        vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+                        with T.init():
+                            num[vj] = _c(0)
+                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
+                            - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
             for i in T.serial(dk):
                 with T.sblock("den"):   # u.m - q.h (eps added by _write_token)
                     vb, vh, vi = T.axis.remap("SSR", [b, h, i])
@@ -103,100 +110,58 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
     return hla2d_decode
 
 
-def decode_columns(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
-                   dtype="float32", group=1):
-    """`decode` with each element of S, C and G read once and written once (S symmetric):
-    column i of S gives u_i = g (S q)_i + k_i (k.q) + l q_i = ((S_new + lI) q)_i while it is
-    updated; column j of C gives (k^T C)_j and (u^T C)_j while it is updated, then column j of
-    G gives (q^T G)_j while G_new = gG + k (k^T C) is written; o_j = g (u^T C)_j + (u.q) v_j
-    - g (q^T G)_j - (q.k) (k^T C)_j (C, G before the token). The row-wise `decode` reads C
-    three times and S and G twice."""
-    io, acc = dtype, accum_dtype(dtype)
-    _c = functools.partial(const, dtype=acc)
-    mk = 1.0 if masked else 0.0
-
-    @T.prim_func(s_tir=True)
-    def hla2d_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, S_h: T.handle,
-                     C_h: T.handle, m_h: T.handle, G_h: T.handle, h_h: T.handle, o_h: T.handle):
-        B = T.int64()
-        H = T.int64()
-        q = T.match_buffer(q_h, (B, H, 1, dk), io)
-        k = T.match_buffer(k_h, (B, H // group, 1, dk), io)
-        v = T.match_buffer(v_h, (B, H // group, 1, dv), io)
-        g = T.match_buffer(g_h, (H,), acc)
-        S = T.match_buffer(S_h, (B, H, dk, dk), acc)
-        C = T.match_buffer(C_h, (B, H, dk, dv), acc)
-        m = T.match_buffer(m_h, (B, H, dk), acc)
-        G = T.match_buffer(G_h, (B, H, dk, dv), acc)
-        h_ = T.match_buffer(h_h, (B, H, dk), acc)
-        o = T.match_buffer(o_h, (B, H, 1, dv), io)
-        for b, h in T.grid(B, H):
-            qa = T.alloc_buffer((dk,), acc)
-            ka = T.alloc_buffer((dk,), acc)
-            va = T.alloc_buffer((dv,), acc)
-            qk = T.alloc_buffer((1,), acc)
-            km = T.alloc_buffer((1,), acc)
-            u = T.alloc_buffer((dk,), acc)
-            uq = T.alloc_buffer((1,), acc)
-            kC = T.alloc_buffer((dv,), acc)
-            uC = T.alloc_buffer((dv,), acc)
-            qG = T.alloc_buffer((dv,), acc)
-            num = T.alloc_buffer((dv,), acc)
-            den = T.alloc_buffer((1,), acc)
-            _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
+@T.macro
+def _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc):
+    """`decode`'s columns=True step between loading the token and the denominator: S, C, G,
+    h, m advanced in place, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
+    qk = T.alloc_buffer((1,), acc)
+    uq = T.alloc_buffer((1,), acc)
+    uC = T.alloc_buffer((dv,), acc)
+    qG = T.alloc_buffer((dv,), acc)
+    for i in T.serial(dk):
+        with T.sblock("qk"):
+            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+            with T.init():
+                qk[0] = const(0, acc)
+            qk[0] = qk[0] + qa[vi] * ka[vi]
+    _vecdot(km, ka, m, b, h, dk, "km")
+    for i in T.serial(dk):
+        with T.sblock("S_col"):   # S symmetric: column i is row i
+            vu = T.axis.reduce(1, 0)   # in place (_tir's note)
+            vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+            with T.init():
+                u[vi] = const(0, acc)
+            u[vi] = const(0, acc)
+            for l in T.serial(dk):
+                u[vi] = u[vi] + S[vb, vh, l, vi] * qa[l]
+                S[vb, vh, l, vi] = g[vh] * S[vb, vh, l, vi] + ka[l] * ka[vi]
+            u[vi] = g[vh] * u[vi] + ka[vi] * qk[0] + const(ridge, acc) * qa[vi]
+    for i in T.serial(dk):
+        with T.sblock("uq"):
+            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+            with T.init():
+                uq[0] = const(0, acc)
+            uq[0] = uq[0] + u[vi] * qa[vi]
+    for j in T.serial(dv):
+        with T.sblock("CG_col"):
+            vu = T.axis.reduce(1, 0)   # in place (_tir's note)
+            vb, vh, vj = T.axis.remap("SSS", [b, h, j])
+            with T.init():
+                kC[vj] = const(0, acc)
+            kC[vj] = const(0, acc)
+            uC[vj] = const(0, acc)
+            qG[vj] = const(0, acc)
             for i in T.serial(dk):
-                with T.sblock("qk"):
-                    vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-                    with T.init():
-                        qk[0] = _c(0)
-                    qk[0] = qk[0] + qa[vi] * ka[vi]
-            _vecdot(km, ka, m, b, h, dk, "km")
+                kC[vj] = kC[vj] + ka[i] * C[vb, vh, i, vj]
+                uC[vj] = uC[vj] + u[i] * C[vb, vh, i, vj]
+                C[vb, vh, i, vj] = g[vh] * C[vb, vh, i, vj] + qa[i] * va[vj]
             for i in T.serial(dk):
-                with T.sblock("S_col"):   # S symmetric: column i is row i
-                    vu = T.axis.reduce(1, 0)   # in place (_tir's note)
-                    vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                    with T.init():
-                        u[vi] = _c(0)
-                    u[vi] = _c(0)
-                    for l in T.serial(dk):
-                        u[vi] = u[vi] + S[vb, vh, l, vi] * qa[l]
-                        S[vb, vh, l, vi] = g[vh] * S[vb, vh, l, vi] + ka[l] * ka[vi]
-                    u[vi] = g[vh] * u[vi] + ka[vi] * qk[0] + _c(ridge) * qa[vi]
-            for i in T.serial(dk):
-                with T.sblock("uq"):
-                    vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-                    with T.init():
-                        uq[0] = _c(0)
-                    uq[0] = uq[0] + u[vi] * qa[vi]
-            for j in T.serial(dv):
-                with T.sblock("CG_col"):
-                    vu = T.axis.reduce(1, 0)   # in place (_tir's note)
-                    vb, vh, vj = T.axis.remap("SSS", [b, h, j])
-                    with T.init():
-                        kC[vj] = _c(0)
-                    kC[vj] = _c(0)
-                    uC[vj] = _c(0)
-                    qG[vj] = _c(0)
-                    for i in T.serial(dk):
-                        kC[vj] = kC[vj] + ka[i] * C[vb, vh, i, vj]
-                        uC[vj] = uC[vj] + u[i] * C[vb, vh, i, vj]
-                        C[vb, vh, i, vj] = g[vh] * C[vb, vh, i, vj] + qa[i] * va[vj]
-                    for i in T.serial(dk):
-                        qG[vj] = qG[vj] + qa[i] * G[vb, vh, i, vj]
-                        G[vb, vh, i, vj] = g[vh] * G[vb, vh, i, vj] + ka[i] * kC[vj]
-                    num[vj] = g[vh] * uC[vj] + uq[0] * va[vj] \
-                        - _c(mk) * (g[vh] * qG[vj] + qk[0] * kC[vj])
-            _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
-            _update_axpy(m, g, qa, _c(1), b, h, dk, "m")
-            for i in T.serial(dk):
-                with T.sblock("den"):   # u.m - q.h (eps added by _write_token)
-                    vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-                    with T.init():
-                        den[0] = _c(0)
-                    den[0] = den[0] + u[vi] * m[vb, vh, vi] - _c(mk) * qa[vi] * h_[vb, vh, vi]
-            _write_token(o, num, den, b, h, dv, normalize, eps)
-
-    return hla2d_decode
+                qG[vj] = qG[vj] + qa[i] * G[vb, vh, i, vj]
+                G[vb, vh, i, vj] = g[vh] * G[vb, vh, i, vj] + ka[i] * kC[vj]
+            num[vj] = g[vh] * uC[vj] + uq[0] * va[vj] \
+                - const(mk, acc) * (g[vh] * qG[vj] + qk[0] * kC[vj])
+    _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
+    _update_axpy(m, g, qa, const(1, acc), b, h, dk, "m")
 
 
 def chunk_ksummary(dk: int, n: int, *, dtype="float32"):

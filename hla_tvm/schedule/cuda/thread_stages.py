@@ -28,8 +28,8 @@ def _spatial_reduce(sch, block):
 
 def _summing_sizes(sch, loops=None):
     """The number of outputs of each stage that sums over static output loops (a reduction
-    loop, or a loop inside its block: `hla2_decay.decode_columns`) (of `loops` output loops
-    only, when given)."""
+    loop, or a loop inside its block: `hla2_decay.decode(columns=True)`), of `loops` output
+    loops only when given."""
     from tvm import tirx
 
     sizes = []
