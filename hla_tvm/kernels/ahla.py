@@ -1,18 +1,21 @@
 """Asymmetric HLA (AHLA) as TensorIR; mirrors `hla_tvm.reference.ahla` (decay always on: pass
 gamma = 1 for none). State (P, m, E, n); chunk form, local t = 1..len, A = L * (Q K^T),
-Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s), R = K^T Q:
+Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s):
 
     chunk_ksummary dP = K^T (tail V), dm = K^T tail, gl = g^len, per key/value head (parallel)
-    chunk_summary  R, dE = K^T (A (tail V)), dn = K^T (A tail)                   (parallel)
+    chunk_summary  dE = K^T (A (tail V)), dn = K^T (A tail)                      (parallel)
     chunk_scan     P, m (key/value heads): record Pc, mc, advance               (sequential)
-    chunk_cross    ddE = gl R Pc + dE,  ddn = gl R mc + dn                       (parallel)
+    chunk_cross    QP = Q Pc, Qm = Q mc (kept for the output),
+                   ddE = gl K^T QP + dE,  ddn = gl K^T Qm + dn                   (parallel)
     chunk_scan     E, n with ddE, ddn: record Ec, nc, advance                   (sequential)
-    chunk_output   O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V           (parallel)
-                   [/ (g^t (Q nc + (A Q) mc) + ((A A) * Gamma) 1 + eps)]
+    chunk_output   O = diag(g^t) (Q Ec + A QP) + ((A A) * Gamma) V               (parallel)
+                   [/ (g^t (Q nc + A Qm) + ((A A) * Gamma) 1 + eps)]
     decode         one token in place: P = gP + k v^T, m = gm + k, E = gE + k (q^T P),
                    n = gn + k (q^T m), o = q^T E [/ (q^T n + eps)]
-With grouped heads (group > 1) the key/value-head buffers (P, m, dP, dm, Pc, mc, gl) are read at
-head h // group by query head h (the decay is equal within a group).
+With grouped heads (group > 1) the key/value-head buffers (k, v, P, m, dP, dm, Pc, mc, gl) are
+read at head h // group by query head h (the decay is equal within a group).
+The cross term's (K^T Q) Pc is summed as K^T (Q Pc): 2 n dk dv multiply-adds per chunk where
+(K^T Q) Pc took dk^2 (n + dv), and Q Pc serves the output's A (Q Pc) too.
 """
 from __future__ import annotations
 
@@ -91,14 +94,13 @@ def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: R = K^T Q, dE = K^T (A (tail V)), dn = K^T (A tail).
-    Shapes: R [B, H, NC, dk, dk], dE [B, H, NC, dk, dv], dn [B, H, NC, dk]."""
+    """Per chunk: dE = K^T (A (tail V)) [B, H, NC, dk, dv], dn = K^T (A tail) [B, H, NC, dk]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def ahla_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                           R_h: T.handle, dE_h: T.handle, dn_h: T.handle):
+                           dE_h: T.handle, dn_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -107,7 +109,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
         dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
         dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
         gl = T.sblock_alloc_buffer((B, H, NC), acc)
@@ -128,7 +129,6 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             _scale_rows(Vt, tail, Vc, b, hh, c, n, dv, "Vt")
-            _matmul(R, Kc, Qc, b, hh, c, dk, dk, n, True, "R")
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):
                 with T.sblock("A"):
@@ -142,18 +142,21 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     return ahla_chunk_summary
 
 
-def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
-    """Cross-term increments of E and n per chunk: ddE = gl R Pc + dE, ddn = gl R mc + dn;
-    Pc, mc, gl of the key/value heads [B, H / group, NC, ..]."""
-    acc = accum_dtype(dtype)
+def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+    """QP = Q Pc [B, H, NC, n, dv], Qm = Q mc [.., n], ddE = gl K^T QP + dE,
+    ddn = gl K^T Qm + dn; k, Pc, mc, gl of the key/value heads [B, H / group, ..]."""
+    io, acc = dtype, accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
-    def ahla_chunk_cross(R_h: T.handle, Pc_h: T.handle, mc_h: T.handle, dE_h: T.handle,
-                         dn_h: T.handle, gl_h: T.handle, ddE_h: T.handle, ddn_h: T.handle):
+    def ahla_chunk_cross(q_h: T.handle, k_h: T.handle, Pc_h: T.handle, mc_h: T.handle,
+                         dE_h: T.handle, dn_h: T.handle, gl_h: T.handle, ddE_h: T.handle,
+                         ddn_h: T.handle, QP_h: T.handle, Qm_h: T.handle):
         B = T.int64()
         H = T.int64()
+        L = T.int64()
         NC = T.int64()
-        R = T.match_buffer(R_h, (B, H, NC, dk, dk), acc)
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
         mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
         dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
@@ -161,33 +164,53 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
         gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
         ddE = T.match_buffer(ddE_h, (B, H, NC, dk, dv), acc)
         ddn = T.match_buffer(ddn_h, (B, H, NC, dk), acc)
-        RP = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
-        Rm = T.sblock_alloc_buffer((B, H, NC, dk), acc)
+        QP = T.match_buffer(QP_h, (B, H, NC, n, dv), acc)
+        Qm = T.match_buffer(Qm_h, (B, H, NC, n), acc)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        QPs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Qms = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _matmul(RP, R, Pc, b, hh, c, dk, dv, dk, False, "RP", bgroup=group)
-            for i, j in T.grid(dk, dv):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
+            _matmul(QPs, Qc, Pc, b, hh, c, n, dv, dk, False, "QPs", bgroup=group)
+            _matvec(Qms, Qc, mc, b, hh, c, n, dk, False, "Qms", xgroup=group)
+            for t, j in T.grid(n, dv):
+                with T.sblock("QP"):
+                    vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
+                    QP[vb, vh, vc, vt, vj] = QPs[vb, vh, vc, vt, vj]
+            for t in T.serial(n):
+                with T.sblock("Qm"):
+                    vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+                    Qm[vb, vh, vc, vt] = Qms[vb, vh, vc, vt]
+            for i, j, t in T.grid(dk, dv, n):
                 with T.sblock("ddE"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    ddE[vb, vh, vc, vi, vj] = gl[vb, vh // group, vc] * RP[vb, vh, vc, vi, vj] + dE[vb, vh, vc, vi, vj]
-            _matvec(Rm, R, mc, b, hh, c, dk, dk, False, "Rm", xgroup=group)
-            for i in T.serial(dk):
+                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
+                    with T.init():
+                        ddE[vb, vh, vc, vi, vj] = dE[vb, vh, vc, vi, vj]
+                    ddE[vb, vh, vc, vi, vj] = ddE[vb, vh, vc, vi, vj] + gl[vb, vh // group, vc] \
+                        * Kc[vb, vh, vc, vt, vi] * QPs[vb, vh, vc, vt, vj]
+            for i, t in T.grid(dk, n):
                 with T.sblock("ddn"):
-                    vb, vh, vc, vi = T.axis.remap("SSSS", [b, hh, c, i])
-                    ddn[vb, vh, vc, vi] = gl[vb, vh // group, vc] * Rm[vb, vh, vc, vi] + dn[vb, vh, vc, vi]
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
+                    with T.init():
+                        ddn[vb, vh, vc, vi] = dn[vb, vh, vc, vi]
+                    ddn[vb, vh, vc, vi] = ddn[vb, vh, vc, vi] + gl[vb, vh // group, vc] \
+                        * Kc[vb, vh, vc, vt, vi] * Qms[vb, vh, vc, vt]
 
     return ahla_chunk_cross
 
 
 def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
-    """O = diag(g^t) (Q Ec + (A Q) Pc) + ((A A) * Gamma) V  [/ (g^t (Q nc + (A Q) mc)
+    """O = diag(g^t) (Q Ec + A QP) + ((A A) * Gamma) V  [/ (g^t (Q nc + A Qm)
     + ((A A) * Gamma) 1 + eps)] per chunk; Ec [B, H, NC, dk, dv], nc [B, H, NC, dk] and the
-    key/value heads' Pc [B, H / group, NC, dk, dv], mc [B, H / group, NC, dk]."""
+    cross kernel's QP = Q Pc [B, H, NC, n, dv], Qm = Q mc [B, H, NC, n]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
     def ahla_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                          Ec_h: T.handle, Pc_h: T.handle, nc_h: T.handle, mc_h: T.handle,
+                          Ec_h: T.handle, QP_h: T.handle, nc_h: T.handle, Qm_h: T.handle,
                           o_h: T.handle):
         B = T.int64()
         H = T.int64()
@@ -198,9 +221,9 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
         Ec = T.match_buffer(Ec_h, (B, H, NC, dk, dv), acc)
-        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
+        QP = T.match_buffer(QP_h, (B, H, NC, n, dv), acc)
         nc = T.match_buffer(nc_h, (B, H, NC, dk), acc)
-        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
+        Qm = T.match_buffer(Qm_h, (B, H, NC, n), acc)
         o = T.match_buffer(o_h, (B, H, L, dv), io)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
@@ -208,7 +231,6 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         A0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        AQ = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         AA = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         QE = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
@@ -227,7 +249,6 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                 with T.sblock("A"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
-            _matmul(AQ, A, Qc, b, hh, c, n, dk, n, False, "AQ", True)
             _matmul(AA, A, A, b, hh, c, n, n, n, False, "AA", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
@@ -235,7 +256,7 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                     M[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt, AA[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
             _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
-            _matmul(AQP, AQ, Pc, b, hh, c, n, dv, dk, False, "AQP", bgroup=group)
+            _matmul(AQP, A, QP, b, hh, c, n, dv, n, False, "AQP", True)
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
             if normalize:
                 for t, i in T.grid(n, dk + n):
@@ -245,10 +266,12 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             den[vb, vh, vc, vt] = _c(0)
                         den[vb, vh, vc, vt] = den[vb, vh, vc, vt] + T.if_then_else(
                             vi < dk,
-                            pw[vb, vh, vc, vt + 1] * (
-                                Qc[vb, vh, vc, vt, T.min(vi, dk - 1)] * nc[vb, vh, vc, T.min(vi, dk - 1)]
-                                + AQ[vb, vh, vc, vt, T.min(vi, dk - 1)] * mc[vb, vh // group, vc, T.min(vi, dk - 1)]),
-                            M[vb, vh, vc, vt, T.max(vi - dk, 0)])
+                            pw[vb, vh, vc, vt + 1] * Qc[vb, vh, vc, vt, T.min(vi, dk - 1)]
+                            * nc[vb, vh, vc, T.min(vi, dk - 1)],
+                            T.Select(vi - dk <= vt,
+                                     pw[vb, vh, vc, vt + 1] * A[vb, vh, vc, vt, T.max(vi - dk, 0)]
+                                     * Qm[vb, vh, vc, T.max(vi - dk, 0)], _c(0))
+                            + M[vb, vh, vc, vt, T.max(vi - dk, 0)])
             for t, x in T.grid(n, dv):
                 with T.sblock("o"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])

@@ -96,23 +96,25 @@ _PREFILL = {
         Call("output", ("q", "k", "v", "Sc", "Xc", "rc"), (("o", "o"),)),
     ),
     "hla2d": (
-        Call("ksummary", ("k", "gamma"), (("dS", "kk"), ("KK", "kk"), ("gl", "1")), kv=True),
+        Call("ksummary", ("k", "gamma"), (("dS", "kk"), ("gl", "1")), kv=True),
         Call("summary", ("q", "k", "v", "gamma"),
              (("dC", "kv"), ("dm", "k"), ("dG", "kv"), ("dh", "k"))),
         _scan("S", "dS", "kk", kv=True), _scan("C", "dC", "kv"), _scan("m", "dm", "k"),
-        Call("cross", ("KK", "Cc", "mc", "dG", "dh", "gl", "gamma"),
-             (("ddG", "kv"), ("ddh", "k"))),
+        Call("cross", ("k", "Cc", "mc", "dG", "dh", "gl", "gamma"),
+             (("ddG", "kv"), ("ddh", "k"), ("KC", "nv"), ("Km", "n"))),
         _scan("G", "ddG", "kv"), _scan("h", "ddh", "k"),
-        Call("output", ("q", "k", "v", "gamma", "Sc", "Cc", "mc", "Gc", "hc"), (("o", "o"),)),
+        Call("output", ("q", "k", "v", "gamma", "Sc", "Cc", "mc", "Gc", "hc", "KC", "Km"),
+             (("o", "o"),)),
     ),
     "ahla": (
         Call("ksummary", ("k", "v", "gamma"), (("dP", "kv"), ("dm", "k"), ("gl", "1")),
              kv=True),
-        Call("summary", ("q", "k", "v", "gamma"), (("R", "kk"), ("dE", "kv"), ("dn", "k"))),
+        Call("summary", ("q", "k", "v", "gamma"), (("dE", "kv"), ("dn", "k"))),
         _scan("P", "dP", "kv", kv=True), _scan("m", "dm", "k", kv=True),
-        Call("cross", ("R", "Pc", "mc", "dE", "dn", "gl"), (("ddE", "kv"), ("ddn", "k"))),
+        Call("cross", ("q", "k", "Pc", "mc", "dE", "dn", "gl"),
+             (("ddE", "kv"), ("ddn", "k"), ("QP", "nv"), ("Qm", "n"))),
         _scan("E", "ddE", "kv"), _scan("n", "ddn", "k"),
-        Call("output", ("q", "k", "v", "gamma", "Ec", "Pc", "nc", "mc"), (("o", "o"),)),
+        Call("output", ("q", "k", "v", "gamma", "Ec", "QP", "nc", "Qm"), (("o", "o"),)),
     ),
     "hla3": (
         Call("ksummary", ("gamma", "k", "v"),
@@ -263,9 +265,7 @@ def _make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
         return kmod.chunk_carry(dk, dv, masked=opts["masked"], ridge=opts["ridge"], dtype=dtype,
                                 group=group)
     if call.kernel == "cross":
-        if "q" in call.reads:   # a cross kernel that reads the chunk's tokens
-            return kmod.chunk_cross(dk, dv, chunk, dtype=dtype, group=group)
-        return kmod.chunk_cross(dk, dv, dtype=dtype, group=group)
+        return kmod.chunk_cross(dk, dv, chunk, dtype=dtype, group=group)
     if "k" not in call.reads:   # an output kernel that reads no key/value-head buffers
         return kmod.chunk_output(dk, dv, chunk, dtype=dtype, **opts)
     return kmod.chunk_output(dk, dv, chunk, dtype=dtype, group=group, **opts)

@@ -4,22 +4,25 @@ cross term k k^T C_{t-1} undecayed, so X = S C - G no longer advances on its own
 undecayed chunk carry of `hla2.chunk_carry` does not apply. Instead, local s, t = 1..len,
 tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
 
-    chunk_ksummary dS = K^T (tail K), KK = K^T K (undecayed), gl = g^len,
-                   per key/value head                                                  (parallel)
+    chunk_ksummary dS = K^T (tail K), gl = g^len, per key/value head                  (parallel)
     chunk_summary  dC = Q^T (tail V), dm = Q^T tail,
                    dG = K^T (B (tail1 V)), dh = K^T (B tail1)                          (parallel)
     chunk_scan     S (key/value heads), C, m: record Sc, Cc, mc                        (sequential)
-    chunk_cross    ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh              (parallel)
+    chunk_cross    KC = K Cc, Km = K mc (kept for the output),
+                   ddG = g^(len-1) K^T KC + dG,  ddh = g^(len-1) K^T Km + dh           (parallel)
     chunk_scan     G, h                                                                (sequential)
     chunk_output   (W = L * (Q K^T), Gamma[t, s] = g^(t-s) [s <= t], Gamma'[t, s] = g^(t-1-s) [s < t])
-        num = g^t (g^t Q Sc Cc - Q Gc + l Q Cc) + KW (K Cc) + M V
+        num = g^t (g^t Q Sc Cc - Q Gc + l Q Cc) + KW KC + M V
         KW  = (Q K^T) * (g^t Gamma - g^(t-1) L)
         M   = (g^t Q Sc Q^T + l Q Q^T) * Gamma + ((W * Gamma) K Q^T) * Gamma - (W B) * Gamma'
-        den = the same with Cc -> mc, Gc -> hc, V -> 1, plus eps           (parallel)
-    (unmasked drops every G, h term, the g^(t-1) L weight and the W B term.)
+        den = the same with Cc -> mc, Gc -> hc, KC -> Km, V -> 1, plus eps (parallel)
+    (unmasked drops every G, h term, the g^(t-1) L weight and the W B term; ridge = 0 every l
+    term: those products are not computed.)
+    The cross term's K^T K Cc is summed as K^T (K Cc): 2 n dk dv multiply-adds per chunk where
+    (K^T K) Cc took dk^2 (n + dv), and K Cc serves the output too.
     decode         Algorithm 1 for one token, in place (GPUs: columns=True, the same step
                    reading each state element once).
-With grouped heads (group > 1) the key/value-head buffers (S, dS, Sc, KK, gl) are read at head
+With grouped heads (group > 1) the key/value-head buffers (k, v, S, dS, Sc, gl) are read at head
 h // group by query head h (the decay is equal within a group).
 """
 from __future__ import annotations
@@ -165,13 +168,12 @@ def _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge,
 
 
 def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
-    """Per chunk of the key/value heads: dS = K^T (tail K), KK = K^T K [B, H, NC, dk, dk],
-    gl = g^len [B, H, NC]; k [B, H, T, dk], g [H]."""
+    """Per chunk of the key/value heads: dS = K^T (tail K) [B, H, NC, dk, dk], gl = g^len
+    [B, H, NC]; k [B, H, T, dk], g [H]."""
     io, acc = dtype, accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
-    def hla2d_chunk_ksummary(k_h: T.handle, g_h: T.handle, dS_h: T.handle, KK_h: T.handle,
-                             gl_h: T.handle):
+    def hla2d_chunk_ksummary(k_h: T.handle, g_h: T.handle, dS_h: T.handle, gl_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -179,7 +181,6 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
         k = T.match_buffer(k_h, (B, H, L, dk), io)
         g = T.match_buffer(g_h, (H,), acc)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
-        KK = T.match_buffer(KK_h, (B, H, NC, dk, dk), acc)
         gl = T.match_buffer(gl_h, (B, H, NC), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
@@ -189,7 +190,6 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
             _decay_weights(tail, gl, g, b, hh, c, n, L)
             _scale_rows(Kt, tail, Kc, b, hh, c, n, dk, "Kt")
             _matmul(dS, Kc, Kt, b, hh, c, dk, dk, n, True, "dS")
-            _matmul(KK, Kc, Kc, b, hh, c, dk, dk, n, True, "KK")
 
     return hla2d_chunk_ksummary
 
@@ -262,19 +262,20 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
     return hla2d_chunk_summary
 
 
-def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
-    """ddG = g^(len-1) KK Cc + dG,  ddh = g^(len-1) KK mc + dh (g^(len-1) = gl / g); KK, gl of
-    the key/value heads [B, H / group, NC, ..]."""
-    acc = accum_dtype(dtype)
+def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+    """KC = K Cc [B, H, NC, n, dv], Km = K mc [.., n], ddG = g^(len-1) K^T KC + dG,
+    ddh = g^(len-1) K^T Km + dh (g^(len-1) = gl / g); k and gl of the key/value heads."""
+    io, acc = dtype, accum_dtype(dtype)
 
     @T.prim_func(s_tir=True)
-    def hla2d_chunk_cross(KK_h: T.handle, Cc_h: T.handle, mc_h: T.handle, dG_h: T.handle,
+    def hla2d_chunk_cross(k_h: T.handle, Cc_h: T.handle, mc_h: T.handle, dG_h: T.handle,
                           dh_h: T.handle, gl_h: T.handle, g_h: T.handle, ddG_h: T.handle,
-                          ddh_h: T.handle):
+                          ddh_h: T.handle, KC_h: T.handle, Km_h: T.handle):
         B = T.int64()
         H = T.int64()
+        L = T.int64()
         NC = T.int64()
-        KK = T.match_buffer(KK_h, (B, H // group, NC, dk, dk), acc)
+        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
         mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
         dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
@@ -283,29 +284,45 @@ def chunk_cross(dk: int, dv: int, *, dtype="float32", group=1):
         g = T.match_buffer(g_h, (H,), acc)
         ddG = T.match_buffer(ddG_h, (B, H, NC, dk, dv), acc)
         ddh = T.match_buffer(ddh_h, (B, H, NC, dk), acc)
-        KC = T.sblock_alloc_buffer((B, H, NC, dk, dv), acc)
+        KC = T.match_buffer(KC_h, (B, H, NC, n, dv), acc)
+        Km = T.match_buffer(Km_h, (B, H, NC, n), acc)
+        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        KCs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Kms = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
-            _matmul(KC, KK, Cc, b, hh, c, dk, dv, dk, False, "KC", agroup=group)
-            for i, j in T.grid(dk, dv):
+            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
+            _matmul(KCs, Kc, Cc, b, hh, c, n, dv, dk, False, "KCs")
+            _matvec(Kms, Kc, mc, b, hh, c, n, dk, False, "Kms")
+            for t, j in T.grid(n, dv):
+                with T.sblock("KC"):
+                    vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
+                    KC[vb, vh, vc, vt, vj] = KCs[vb, vh, vc, vt, vj]
+            for t in T.serial(n):
+                with T.sblock("Km"):
+                    vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+                    Km[vb, vh, vc, vt] = Kms[vb, vh, vc, vt]
+            for i, j, t in T.grid(dk, dv, n):
                 with T.sblock("ddG"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSS", [b, hh, c, i, j])
-                    ddG[vb, vh, vc, vi, vj] = gl[vb, vh // group, vc] / g[vh] * KC[vb, vh, vc, vi, vj] \
-                        + dG[vb, vh, vc, vi, vj]
-            for i, j in T.grid(dk, dk):
+                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
+                    with T.init():
+                        ddG[vb, vh, vc, vi, vj] = dG[vb, vh, vc, vi, vj]
+                    ddG[vb, vh, vc, vi, vj] = ddG[vb, vh, vc, vi, vj] + gl[vb, vh // group, vc] \
+                        / g[vh] * Kc[vb, vh, vc, vt, vi] * KCs[vb, vh, vc, vt, vj]
+            for i, t in T.grid(dk, n):
                 with T.sblock("ddh"):
-                    vb, vh, vc, vi, vj = T.axis.remap("SSSSR", [b, hh, c, i, j])
+                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
                     with T.init():
                         ddh[vb, vh, vc, vi] = dh[vb, vh, vc, vi]
-                    ddh[vb, vh, vc, vi] = ddh[vb, vh, vc, vi] \
-                        + gl[vb, vh // group, vc] / g[vh] * KK[vb, vh // group, vc, vi, vj] \
-                        * mc[vb, vh, vc, vj]
+                    ddh[vb, vh, vc, vi] = ddh[vb, vh, vc, vi] + gl[vb, vh // group, vc] / g[vh] \
+                        * Kc[vb, vh, vc, vt, vi] * Kms[vb, vh, vc, vt]
 
     return hla2d_chunk_cross
 
 
 def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=1e-6,
                  ridge=0.0, dtype="float32", group=1):
-    """Outputs of each chunk from the recorded Sc, Cc, mc, Gc, hc (module docstring)."""
+    """Outputs of each chunk from the recorded Sc, Cc, mc, Gc, hc and the cross kernel's KC, Km
+    (module docstring)."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     mk = 1.0 if masked else 0.0
@@ -313,7 +330,7 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
     @T.prim_func(s_tir=True)
     def hla2d_chunk_output(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
                            Sc_h: T.handle, Cc_h: T.handle, mc_h: T.handle, Gc_h: T.handle,
-                           hc_h: T.handle, o_h: T.handle):
+                           hc_h: T.handle, KC_h: T.handle, Km_h: T.handle, o_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -327,6 +344,8 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
         Gc = T.match_buffer(Gc_h, (B, H, NC, dk, dv), acc)
         hc = T.match_buffer(hc_h, (B, H, NC, dk), acc)
+        KC = T.match_buffer(KC_h, (B, H, NC, n, dv), acc)
+        Km = T.match_buffer(Km_h, (B, H, NC, n), acc)
         o = T.match_buffer(o_h, (B, H, L, dv), io)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
@@ -343,7 +362,6 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         ZC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         QG = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         QC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        KC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         QSQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         QQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         WKQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
@@ -351,7 +369,6 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
         M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         KWKC = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        Km = T.sblock_alloc_buffer((B, H, NC, n), acc)
         pw = T.sblock_alloc_buffer((B, H, NC, 2 * n + 1), acc)
         den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
@@ -373,31 +390,34 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                         vs <= vt, W0[vb, vh, vc, vt, vs] * (
                             pw[vb, vh, vc, T.max(vt + 1 + vt - vs, 0)]
                             - _c(mk) * pw[vb, vh, vc, vt]), _c(0))
-                    Bs[vb, vh, vc, vt, vs] = T.Select(vs < vt, KQ[vb, vh, vc, vt, vs], _c(0))
+                    if masked:
+                        Bs[vb, vh, vc, vt, vs] = T.Select(vs < vt, KQ[vb, vh, vc, vt, vs], _c(0))
             _matmul(Z, Qc, Sc, b, hh, c, n, dk, dk, False, "Z", bgroup=group)
             _matmul(ZC, Z, Cc, b, hh, c, n, dv, dk, False, "ZC")
-            _matmul(QG, Qc, Gc, b, hh, c, n, dv, dk, False, "QG")
-            _matmul(QC, Qc, Cc, b, hh, c, n, dv, dk, False, "QC")
-            _matmul(KC, Kc, Cc, b, hh, c, n, dv, dk, False, "KC")
+            if masked:
+                _matmul(QG, Qc, Gc, b, hh, c, n, dv, dk, False, "QG")
+                _matmul(WB, W, Bs, b, hh, c, n, n, n, False, "WB", True)
+            if ridge != 0.0:
+                _matmul(QC, Qc, Cc, b, hh, c, n, dv, dk, False, "QC")
+                _matmul(QQ, Qc, QT, b, hh, c, n, n, dk, False, "QQ")
             _matmul(QSQ, Z, QT, b, hh, c, n, n, dk, False, "QSQ")
-            _matmul(QQ, Qc, QT, b, hh, c, n, n, dk, False, "QQ")
             _matmul(WKQ, WG, KQ, b, hh, c, n, n, n, False, "WKQ", True)
-            _matmul(WB, W, Bs, b, hh, c, n, n, n, False, "WB", True)
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     M[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt,
                         (pw[vb, vh, vc, vt + 1] * QSQ[vb, vh, vc, vt, vs]
-                         + _c(ridge) * QQ[vb, vh, vc, vt, vs] + WKQ[vb, vh, vc, vt, vs])
+                         + (_c(ridge) * QQ[vb, vh, vc, vt, vs] if ridge != 0.0 else _c(0))
+                         + WKQ[vb, vh, vc, vt, vs])
                         * pw[vb, vh, vc, T.max(vt - vs, 0)]
-                        - _c(mk) * T.Select(vs < vt, WB[vb, vh, vc, vt, vs]
-                                            * pw[vb, vh, vc, T.max(vt - 1 - vs, 0)], _c(0)),
+                        - (T.Select(vs < vt, WB[vb, vh, vc, vt, vs]
+                                    * pw[vb, vh, vc, T.max(vt - 1 - vs, 0)], _c(0))
+                           if masked else _c(0)),
                         _c(0))
             _matmul(KWKC, KW, KC, b, hh, c, n, dv, n, False, "KWKC", True)
             _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
             if normalize:
-                _matvec(Km, Kc, mc, b, hh, c, n, dk, False, "Km")
                 for t, j in T.grid(n, dk + n):
                     with T.sblock("den"):
                         vb, vh, vc, vt, vj = T.axis.remap("SSSSR", [b, hh, c, t, j])
@@ -422,13 +442,15 @@ def chunk_output(dk: int, dv: int, n: int, *, masked=True, normalize=False, eps=
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
                             pw[vb, vh, vc, vt + 1] * (
                                 pw[vb, vh, vc, vt + 1] * ZC[vb, vh, vc, vt, vx]
-                                - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
+                                - (QG[vb, vh, vc, vt, vx] if masked else _c(0))
+                                + (_c(ridge) * QC[vb, vh, vc, vt, vx] if ridge != 0.0 else _c(0)))
                             + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]) / den[vb, vh, vc, vt])
                     else:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
                             pw[vb, vh, vc, vt + 1] * (
                                 pw[vb, vh, vc, vt + 1] * ZC[vb, vh, vc, vt, vx]
-                                - _c(mk) * QG[vb, vh, vc, vt, vx] + _c(ridge) * QC[vb, vh, vc, vt, vx])
+                                - (QG[vb, vh, vc, vt, vx] if masked else _c(0))
+                                + (_c(ridge) * QC[vb, vh, vc, vt, vx] if ridge != 0.0 else _c(0)))
                             + KWKC[vb, vh, vc, vt, vx] + MV[vb, vh, vc, vt, vx]))
 
     return hla2d_chunk_output
