@@ -139,12 +139,16 @@ def bundle(module, out, *, runtime_from=None, force=False, progress=print):
         raise ValueError(f"-o {out} holds the module itself; bundle into another folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"{out} exists and is not empty (--force replaces it)")
-    tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
-    meta = None
-    if is_host_arch(arch):   # loadable here: check it is an hla_tvm model
-        from .runtime import load
+    from .runtime import load, read_meta
 
+    meta = read_meta(module)
+    if meta is None and is_host_arch(arch):   # (compiled before libraries held it) loadable
         meta = load(module).meta
+    if meta is not None and meta.get("device") == "cuda":
+        raise ValueError(f"{module} was compiled for an NVIDIA GPU: bundles hold the CPU "
+                         "runtime only (copy the module with its .device folder to a machine "
+                         "with TVM's CUDA runtime, and load it with device='cuda')")
+    tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
     # written beside `out`, then swapped in whole: a failure leaves any old bundle as it was
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -187,7 +191,7 @@ def _write(out, module, arch, meta, tvm_root, ffi_root):
 def _readme(info):
     text = info["vocab"] == "bytes"
     prompt = '--text "def fib(" --steps 200' if text else "--prompt 5,9,2,33 --steps 12"
-    if info["config"] is None:   # built for another architecture: not read here
+    if info["config"] is None:   # (an old module for another architecture: its metadata unread)
         prompt = '--text "def fib(" --steps 200   # or, for a model of token ids: --prompt 5,9,2'
         text = None
     return f"""# hla_tvm bundle

@@ -233,11 +233,11 @@ def _prompt_ids(text):
 
 def _run(args):
     from .generate import encode_text, generate, text_decoder
-    from .runtime import load
+    from .runtime import load, read_meta
 
-    if args.info:
-        print(_module_info(args.module, load(args.module, args.device,
-                                             threads=args.threads).meta))
+    if args.info:   # read from the library without loading it where it holds the metadata
+        meta = read_meta(args.module) or load(args.module, args.device, threads=args.threads).meta
+        print(_module_info(args.module, meta))
         return 0
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give --prompt TEXT (byte-level models) or --prompt-ids 1,2,3 "
@@ -286,6 +286,9 @@ def _module_info(path, meta):
     cfg = meta.get("config") or {}
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
+    device = meta.get("device", "cpu")
+    lines.append("runs on: " + ("an NVIDIA GPU (load with device='cuda', hla-tvm run --device "
+                                "cuda)" if device == "cuda" else "the CPU"))
     lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
                  f"max batch: {meta.get('max_batch') or 'any'}")
     lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(
@@ -491,8 +494,10 @@ def build_parser():
                    help="prompt text (byte-level models)")
     r.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
     r.add_argument("--info", action="store_true",
-                   help="print the module's metadata (model, state layout, which kernels use "
-                        "tuned records) and exit")
+                   help="print the module's metadata (model, device, state layout, which "
+                        "kernels use tuned records) and exit; read from the library without "
+                        "loading it, so modules compiled for a GPU or another CPU are described "
+                        "here too")
     r.add_argument("--tokens", "--steps", dest="tokens", type=_positive, default=16,
                    help="tokens to generate")
     r.add_argument("--temperature", type=float, default=None,

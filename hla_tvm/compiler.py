@@ -251,16 +251,17 @@ def build(mod, meta, target, out, records_path=None):
     `out`."""
     from . import device_code, libfile
 
-    exe = executable(mod, meta, target, records_path)
+    exe, meta = executable(mod, meta, target, records_path)
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))
-    return libfile.export(exe, out, cc=cross_compiler(target))
+    return libfile.export(exe, out, cc=cross_compiler(target), note=json.dumps(meta).encode())
 
 
 def executable(mod, meta, target, records_path=None):
-    """`tvm.compile` of the Relax module `mod` with `meta` embedded for `target`, its HLA
-    kernels and projections scheduled from the records folder `records_path` where it holds
-    their records (the default schedules elsewhere)."""
+    """(executable, its metadata): `tvm.compile` of the Relax module `mod` with `meta`, its
+    device and the schedules used added, embedded for `target`, its HLA kernels and projections
+    scheduled from the records folder `records_path` where it holds their records (the default
+    schedules elsewhere)."""
     import tvm
 
     from .schedule import records
@@ -273,4 +274,4 @@ def executable(mod, meta, target, records_path=None):
         **used}}
     mod = _with_meta(mod, meta)
     with target:
-        return tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target))
+        return tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target)), meta

@@ -1,11 +1,14 @@
 """Sealed shared libraries: the one place that knows how a compiled module file is checked.
 
 Every library this package writes (a compiled model, a cached kernel module) ends with a
-trailer of 80 bytes after the ELF image:
+trailer of 80 bytes after the ELF image, and may hold a note between the two:
 
+    [note  its length (8 bytes, little-endian)  b"HLATVMNT"]
     b"HLATVMSL"  tag (32 bytes)  sha256 of every byte before the trailer (32 bytes)  b"HLATVMEN"
 
-`tag` is what the file must be: the sha256 of a cache entry's spec, or zeros for a model.
+`tag` is what the file must be: the sha256 of a cache entry's spec, or zeros for a model. A
+compiled model's note is its metadata, read by `note` without loading the library (so a module
+for a GPU or for another CPU architecture is described on any machine).
 The dynamic loader ignores bytes past the ELF image, so a sealed file loads as any other.
 `check` runs before the loader sees a file: a truncated library would otherwise be mapped past
 its end and kill the process with SIGBUS on first use, and flipped bytes would load and compute
@@ -20,6 +23,7 @@ import tempfile
 import threading
 
 HEAD, TAIL = b"HLATVMSL", b"HLATVMEN"
+NOTE = b"HLATVMNT"
 TRAILER = len(HEAD) + 32 + 32 + len(TAIL)
 NO_TAG = bytes(32)
 _ELF_MAGIC = b"\x7fELF"
@@ -53,11 +57,12 @@ def seal(path, tag: bytes = NO_TAG):
         f.write(HEAD + tag + digest + TAIL)
 
 
-def export(exe, path, tag: bytes = NO_TAG, cc=None):
-    """Write the library of `exe` (a TVM executable or module) to `path`, sealed with `tag`:
-    into a temporary file beside it, then renamed over `path` (never rewritten in place, which
-    would kill processes that have the old file mapped). cc: the C compiler command that links
-    it (None: the host's; a cross compiler for another architecture)."""
+def export(exe, path, tag: bytes = NO_TAG, cc=None, note: bytes | None = None):
+    """Write the library of `exe` (a TVM executable or module) to `path`, sealed with `tag`
+    (and holding `note`, when given): into a temporary file beside it, then renamed over `path`
+    (never rewritten in place, which would kill processes that have the old file mapped).
+    cc: the C compiler command that links it (None: the host's; a cross compiler for another
+    architecture)."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)
@@ -68,6 +73,9 @@ def export(exe, path, tag: bytes = NO_TAG, cc=None):
             from tvm.support import cc as tvm_cc
 
             exe.export_library(tmp, fcompile=tvm_cc.cross_compiler(cc))
+        if note is not None:
+            with open(tmp, "ab") as f:
+                f.write(bytes(note) + struct.pack("<Q", len(note)) + NOTE)
         seal(tmp, tag)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
@@ -106,6 +114,24 @@ def check(path, tag: bytes | None = None, what="compiled module"):
         raise ValueError(f"{path}: the {what} was built for other options than its name says "
                          "(spec digest mismatch)")
     return want_sum
+
+
+def note(path, what="compiled module"):
+    """The note of the library at `path` (bytes), or None for one written without a note;
+    ValueError, as `check`, for a file that is not a whole, unmodified sealed library."""
+    path = os.fspath(path)
+    check(path, what=what)
+    end = os.path.getsize(path) - TRAILER
+    with open(path, "rb") as f:
+        f.seek(max(0, end - 16))
+        tail = f.read(16)
+        if len(tail) < 16 or tail[8:] != NOTE:
+            return None
+        (size,) = struct.unpack("<Q", tail[:8])
+        if size > end - 16:
+            raise ValueError(f"{path}: the {what}'s note is malformed ({size} bytes recorded)")
+        f.seek(end - 16 - size)
+        return f.read(size)
 
 
 _LOADED: dict = {}

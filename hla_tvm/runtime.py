@@ -26,6 +26,31 @@ MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
 
 
+def read_meta(path):
+    """The metadata of the compiled model at `path` (state layout, configuration, device,
+    schedules) from the copy its library holds beside the code (`libfile.note`), read without
+    loading it: a module for a GPU or another CPU architecture is described on any machine.
+    None for a module compiled before libraries held it; ValueError for a file that is not a
+    whole sealed library or not an hla_tvm model."""
+    raw = libfile.note(path)
+    return None if raw is None else _checked_meta(os.fspath(path), raw)
+
+
+def _checked_meta(path, raw):
+    """The metadata dict in `raw` (JSON bytes) of the module at `path`; ValueError unless it is
+    an hla_tvm module of MODULE_FORMAT."""
+    try:
+        meta = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not an hla_tvm compiled model (its metadata does not read: "
+                         f"{err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != MODULE_FORMAT:
+        raise ValueError(f"{path}: module format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r}, "
+                         f"expected {MODULE_FORMAT!r}")
+    return meta
+
+
 def _import_tvm_runtime():
     """TVM, runtime-only unless it is already imported or torch is (a process that works with
     torch goes on to compile: a runtime-only TVM there would break `hla()` and `compile`)."""
@@ -163,14 +188,10 @@ class CompiledModel:
             raise
         self._local = threading.local()
         try:
-            raw = self._vm()[META_FUNC]()
-            self.meta = json.loads(bytes(raw.numpy()).decode())
+            raw = bytes(self._vm()[META_FUNC]().numpy())
         except Exception as err:
             raise ValueError(f"{path}: not an hla_tvm compiled model ({err})") from None
-        if not isinstance(self.meta, dict) or self.meta.get("format") != MODULE_FORMAT:
-            raise ValueError(f"{path}: module format "
-                             f"{self.meta.get('format') if isinstance(self.meta, dict) else None!r}"
-                             f", expected {MODULE_FORMAT!r}")
+        self.meta = _checked_meta(path, raw)
         built_for = self.meta.get("device", "cpu")
         if built_for != kind:
             what = "an NVIDIA GPU" if built_for == "cuda" else "the CPU"

@@ -96,6 +96,28 @@ def test_damaged_compiled_module_is_refused_without_a_crash(files, tmp_path, how
     assert run.stdout.count("refused") == len(paths)
 
 
+def test_module_metadata_reads_without_loading(files, tmp_path):
+    from hla_tvm import libfile
+    from hla_tvm.runtime import read_meta
+
+    lib = files[1] / "model.so"
+    assert read_meta(lib) == load(lib).meta   # the library's note: its own metadata
+    data = lib.read_bytes()
+    image = len(data) - libfile.TRAILER
+    size = int.from_bytes(data[image - 16:image - 8], "little")
+    # a library written before notes (the trailer right after the image): None; it still loads
+    old = tmp_path / "old.so"
+    old.write_bytes(data[:image - 16 - size])
+    libfile.seal(old)
+    assert read_meta(old) is None and load(old).meta == read_meta(lib)
+    # a note recording more bytes than the file holds: refused, naming the file
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(data[:image - 16] + (1 << 40).to_bytes(8, "little") + libfile.NOTE)
+    libfile.seal(bad)
+    with pytest.raises(ValueError, match="bad.so: the compiled module's note is malformed"):
+        read_meta(bad)
+
+
 def test_damaged_checkpoint_is_refused(files, tmp_path):
     model, folder = files
     want = model.state_dict()

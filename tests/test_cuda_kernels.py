@@ -259,7 +259,7 @@ def test_shipped_device_code_is_picked_for_the_gpu_architecture(tmp_path, monkey
 
 
 @pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
-def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
+def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch, capsys):
     """A whole HLALM (decayed second order, two layers) for both architectures: the library
     holds its HLA kernel's CUDA source with the model's other functions, that source builds to
     device code for the architecture, and a CPU-only runtime refuses it with a clear word."""
@@ -278,7 +278,7 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
         relax_mod = compiler.to_relax(model, target=tgt)
         assert sorted(gv.name_hint for gv in relax_mod.get_global_vars()
                       if gv.name_hint in ("prefill", "decode")) == ["decode", "prefill"]
-        exe = compiler.executable(relax_mod, {}, tgt)
+        exe, _ = compiler.executable(relax_mod, {}, tgt)
         source = cuda_source(exe)
         kernels = ["hla2d_decode"] + [chains.kernel_name(chain, c, 8, 8) for c in chain.calls]
         names = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(",
@@ -297,6 +297,13 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
                  "-o", str(tmp_path / "cli.so")]) == 0
     with pytest.raises(ValueError, match="compiled for an NVIDIA GPU"):
         load(tmp_path / "cli.so")
+    # described without a GPU (read from the library, not loaded); a bundle refuses it plainly
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "cli.so"), "--info"]) == 0
+    info = capsys.readouterr().out
+    assert "runs on: an NVIDIA GPU" in info and "cuda-sm_90" in info, info
+    assert main(["bundle", str(tmp_path / "cli.so"), "-o", str(tmp_path / "b")]) == 2
+    assert "compiled for an NVIDIA GPU" in capsys.readouterr().err
     # its device code was written beside it, for the module's own source; a GPU machine
     # without nvcc is served it (and refuses a module whose device code is not there)
     shipped = os.listdir(tmp_path / "cli.device")
