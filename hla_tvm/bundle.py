@@ -127,21 +127,16 @@ def runtime_packages(arch, runtime_from=None, progress=print):
 def bundle(module, out, *, runtime_from=None, force=False, progress=print):
     """Write the bundle of the compiled module `module` to the folder `out` (see the module
     docstring). Refuses a non-empty `out` unless force. Returns the bundle's description."""
-    from . import libfile
+    from .runtime import load, read_meta
 
     module, out = os.fspath(module), os.path.abspath(os.fspath(out))
-    if not os.path.isfile(module):
-        raise FileNotFoundError(f"no compiled module at {module}")
-    libfile.check(module)   # sealed by hla-tvm compile, not truncated or altered
+    meta = read_meta(module)   # checked: sealed by hla-tvm compile, not truncated or altered
     arch = elf_machine(module)
     if os.path.commonpath([os.path.realpath(module), os.path.realpath(out)]) == \
             os.path.realpath(out):
         raise ValueError(f"-o {out} holds the module itself; bundle into another folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"{out} exists and is not empty (--force replaces it)")
-    from .runtime import load, read_meta
-
-    meta = read_meta(module)
     if meta is None and is_host_arch(arch):   # (compiled before libraries held it) loadable
         meta = load(module).meta
     if meta is not None and meta.get("device") == "cuda":

@@ -286,9 +286,12 @@ def _module_info(path, meta):
     cfg = meta.get("config") or {}
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
-    device = meta.get("device", "cpu")
-    lines.append("runs on: " + ("an NVIDIA GPU (load with device='cuda', hla-tvm run --device "
-                                "cuda)" if device == "cuda" else "the CPU"))
+    from .bundle import elf_machine
+
+    host = elf_machine(path)
+    lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
+                                "hla-tvm run --device cuda)" if meta.get("device") == "cuda"
+                                else f"an {host} CPU"))
     lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
                  f"max batch: {meta.get('max_batch') or 'any'}")
     lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(

@@ -34,16 +34,17 @@ def tag_of(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def _digest(path, size):
+def _digest(f, size):
+    """sha256 of the first `size` bytes of the open file `f`."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        left = size
-        while left:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
+    f.seek(0)
+    left = size
+    while left:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
     return h.digest()
 
 
@@ -51,9 +52,10 @@ def seal(path, tag: bytes = NO_TAG):
     """Append the trailer (tag and checksum) to the library at `path`, in place."""
     if len(tag) != 32:
         raise ValueError("tag must be 32 bytes")
-    size = os.path.getsize(path)
-    digest = _digest(path, size)
-    with open(path, "ab") as f:
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = _digest(f, size)
+        f.seek(size)
         f.write(HEAD + tag + digest + TAIL)
 
 
@@ -90,48 +92,59 @@ def check(path, tag: bytes | None = None, what="compiled module"):
     (with `tag`, when given). Returns the sha256 of its image (bytes)."""
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(64)
-            f.seek(max(0, size - TRAILER))
-            trailer = f.read(TRAILER)
+            return _checked(f, path, tag, what)[0]
     except OSError as err:
         raise ValueError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+
+
+def _checked(f, path, tag, what):
+    """`check` of the library open as `f`: (sha256 of its image, bytes before the trailer, end
+    of its ELF content)."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(64)
+    f.seek(max(0, size - TRAILER))
+    trailer = f.read(TRAILER)
     if len(head) < 4 or head[:4] != _ELF_MAGIC:
         raise ValueError(f"{path}: not a {what} (no ELF shared-library header)")
     if size < 64 + TRAILER or trailer[:len(HEAD)] != HEAD or trailer[-len(TAIL):] != TAIL:
-        _check_elf(path, head, size, what)
+        _check_elf(f, path, head, size, what)
         raise ValueError(f"{path}: the {what} has no hla_tvm checksum trailer (truncated, or not "
                          f"written by this version of hla_tvm; {size} bytes); compile it again")
     image = size - TRAILER
-    _check_elf(path, head, image, what)
+    elf_end = _check_elf(f, path, head, image, what)
     got_tag = trailer[len(HEAD):len(HEAD) + 32]
     want_sum = trailer[len(HEAD) + 32:len(HEAD) + 64]
-    if _digest(path, image) != want_sum:
+    if _digest(f, image) != want_sum:
         raise ValueError(f"{path}: the {what} is corrupt (its sha256 does not match the checksum "
                          "recorded when it was written); compile it again")
     if tag is not None and got_tag != tag:
         raise ValueError(f"{path}: the {what} was built for other options than its name says "
                          "(spec digest mismatch)")
-    return want_sum
+    return want_sum, image, elf_end
 
 
 def note(path, what="compiled module"):
     """The note of the library at `path` (bytes), or None for one written without a note;
-    ValueError, as `check`, for a file that is not a whole, unmodified sealed library."""
+    ValueError, as `check`, for a file that is not a whole, unmodified sealed library. The
+    file is checked and read through one open handle (a library replaced meanwhile is read
+    whole, old or new)."""
     path = os.fspath(path)
-    check(path, what=what)
-    end = os.path.getsize(path) - TRAILER
-    with open(path, "rb") as f:
-        f.seek(max(0, end - 16))
-        tail = f.read(16)
-        if len(tail) < 16 or tail[8:] != NOTE:
-            return None
-        (size,) = struct.unpack("<Q", tail[:8])
-        if size > end - 16:
-            raise ValueError(f"{path}: the {what}'s note is malformed ({size} bytes recorded)")
-        f.seek(end - 16 - size)
-        return f.read(size)
+    try:
+        with open(path, "rb") as f:
+            _, image, elf_end = _checked(f, path, None, what)
+            f.seek(max(0, image - 16))
+            tail = f.read(16)
+            if len(tail) < 16 or tail[8:] != NOTE:
+                return None
+            (size,) = struct.unpack("<Q", tail[:8])
+            if image - 16 - size < elf_end:   # (not a note: it would overlap the ELF content)
+                raise ValueError(f"{path}: the {what}'s note is malformed ({size} bytes "
+                                 "recorded)")
+            f.seek(image - 16 - size)
+            return f.read(size)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
 
 
 _LOADED: dict = {}
@@ -182,8 +195,9 @@ def _alias(real, digest):
         return alias
 
 
-def _check_elf(path, head, image, what):
-    """The ELF header, program headers and section table must lie within the image."""
+def _check_elf(f, path, head, image, what):
+    """The ELF header, program headers and section table (of the library open as `f`) must lie
+    within the image; returns where the last of them, or of the segments, ends."""
     if len(head) < 64 or head[4] not in (1, 2) or head[5] not in (1, 2):
         raise ValueError(f"{path}: not a {what} (malformed ELF header)")
     end = "<" if head[5] == 1 else ">"
@@ -200,11 +214,13 @@ def _check_elf(path, head, image, what):
                          f"{image}-byte image)")
     if phentsize < struct.calcsize(ph_fmt):
         raise ValueError(f"{path}: not a {what} (malformed ELF program headers)")
-    with open(path, "rb") as f:
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
+    f.seek(phoff)
+    table = f.read(phentsize * phnum)
+    last = max(64, phoff + phentsize * phnum, shoff + shentsize * shnum)
     for i in range(phnum):
         fields = struct.unpack_from(ph_fmt, table, i * phentsize)
         if fields[ph_off] + fields[ph_fsz] > image:
             raise ValueError(f"{path}: the {what} is truncated (segment {i} ends past the "
                              f"{image}-byte image)")
+        last = max(last, fields[ph_off] + fields[ph_fsz])
+    return last

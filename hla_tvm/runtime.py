@@ -32,8 +32,11 @@ def read_meta(path):
     loading it: a module for a GPU or another CPU architecture is described on any machine.
     None for a module compiled before libraries held it; ValueError for a file that is not a
     whole sealed library or not an hla_tvm model."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no compiled module at {path}")
     raw = libfile.note(path)
-    return None if raw is None else _checked_meta(os.fspath(path), raw)
+    return None if raw is None else _checked_meta(path, raw)
 
 
 def _checked_meta(path, raw):

@@ -70,6 +70,9 @@ def test_aarch64_bundle_app_under_qemu_gives_the_x86_tokens(tmp_path, capsys):
     hla_tvm.compile(model, target="aarch64", out=arm)
     hla_tvm.compile(model, out=x86, schedules="default")
     assert elf_machine(str(arm)) == "aarch64"
+    capsys.readouterr()   # described here without loading it (its metadata is in the library)
+    assert main(["run", str(arm), "--info"]) == 0
+    assert "runs on: an aarch64 CPU" in capsys.readouterr().out
     prompt = [5, 9, 2, 33, 7, 1, 0, 12]
     want = _greedy(str(x86), prompt, 20)
     out = tmp_path / "bundle"

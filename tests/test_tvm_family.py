@@ -70,6 +70,20 @@ def test_decayed_chunks_equal_serial_over_many_chunks(op, gamma):
     assert rel_err(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("opts", [dict(masked=False), dict(ridge=0.3),
+                                  dict(masked=False, ridge=0.3)])
+def test_decayed_second_order_variants_equal_serial(opts):
+    """Second order with decay unmasked or with a ridge (its output kernel builds only the
+    products the variant uses): several chunks and the state, against the serial recurrence."""
+    q, k, v = make_qkv(1, 2, 150, 16, 16, seed=7)
+    want, want_st = hla2.serial(q, k, v, decay=0.9, **opts)
+    got, st = hla(q.float(), k.float(), v.float(), decay=0.9, chunk_size=32, return_state=True,
+                  **opts)
+    assert rel_err(got, want) <= 1e-4
+    for name, x in want_st.items():
+        assert rel_err(st[name], x) <= 1e-4, name
+
+
 @pytest.mark.parametrize("op, decay", [("hla2", None), ("hla2", 0.9), ("ahla", 0.9),
                                        ("hla3", None)])
 def test_long_inputs_run_in_segments(op, decay, monkeypatch):
