@@ -86,6 +86,37 @@ def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=Fal
                         + a[vb, vh // agroup, vc, vi, vr] * bm[vb, vh // bgroup, vc, vr, vj]
 
 
+@T.macro
+def cross_sums(ddX, dX, ddx, dx, K, Y, y, Yout, yout, gl, g, b, hh, c, n, dk, dv, group):
+    """One chunk's cross-term increments summed with its n tokens inside, the products Y [n, dv]
+    and y [n] (scratch) kept in Yout, yout for the output kernel:
+        ddX = dX + w K^T Y,  ddx = dx + w K^T y,  w = gl[h // group] (/ g[h] where g is given)."""
+    for t, j in T.grid(n, dv):
+        with T.sblock("keep_Y"):
+            vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
+            Yout[vb, vh, vc, vt, vj] = Y[vb, vh, vc, vt, vj]
+    for t in T.serial(n):
+        with T.sblock("keep_y"):
+            vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+            yout[vb, vh, vc, vt] = y[vb, vh, vc, vt]
+    for i, j, t in T.grid(dk, dv, n):
+        with T.sblock("ddX"):
+            vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
+            with T.init():
+                ddX[vb, vh, vc, vi, vj] = dX[vb, vh, vc, vi, vj]
+            ddX[vb, vh, vc, vi, vj] = ddX[vb, vh, vc, vi, vj] + (
+                gl[vb, vh // group, vc] / g[vh] if g is not None else gl[vb, vh // group, vc]) \
+                * K[vb, vh, vc, vt, vi] * Y[vb, vh, vc, vt, vj]
+    for i, t in T.grid(dk, n):
+        with T.sblock("ddx"):
+            vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
+            with T.init():
+                ddx[vb, vh, vc, vi] = dx[vb, vh, vc, vi]
+            ddx[vb, vh, vc, vi] = ddx[vb, vh, vc, vi] + (
+                gl[vb, vh // group, vc] / g[vh] if g is not None else gl[vb, vh // group, vc]) \
+                * K[vb, vh, vc, vt, vi] * y[vb, vh, vc, vt]
+
+
 def gpow(lg, x, dtype):
     """gamma^x as exp(x log gamma) (exactly 1 for gamma = 1)."""
     return T.exp(lg * T.Cast(dtype, x))

@@ -23,7 +23,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import accum_dtype, cross_step as _cross_step, decay_weights as _decay_weights, \
+from ._tir import accum_dtype, cross_sums as _cross_sums, cross_step as _cross_step, decay_weights as _decay_weights, \
     load_token as _load_token, powers as _powers, const, matmul as _matmul, matvec as _matvec, \
     scale_rows as _scale_rows, stage as _stage, transpose as _transpose
 
@@ -175,28 +175,8 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _matmul(QPs, Qc, Pc, b, hh, c, n, dv, dk, False, "QPs", bgroup=group)
             _matvec(Qms, Qc, mc, b, hh, c, n, dk, False, "Qms", xgroup=group)
-            for t, j in T.grid(n, dv):
-                with T.sblock("QP"):
-                    vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
-                    QP[vb, vh, vc, vt, vj] = QPs[vb, vh, vc, vt, vj]
-            for t in T.serial(n):
-                with T.sblock("Qm"):
-                    vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
-                    Qm[vb, vh, vc, vt] = Qms[vb, vh, vc, vt]
-            for i, j, t in T.grid(dk, dv, n):
-                with T.sblock("ddE"):
-                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
-                    with T.init():
-                        ddE[vb, vh, vc, vi, vj] = dE[vb, vh, vc, vi, vj]
-                    ddE[vb, vh, vc, vi, vj] = ddE[vb, vh, vc, vi, vj] + gl[vb, vh // group, vc] \
-                        * Kc[vb, vh, vc, vt, vi] * QPs[vb, vh, vc, vt, vj]
-            for i, t in T.grid(dk, n):
-                with T.sblock("ddn"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
-                    with T.init():
-                        ddn[vb, vh, vc, vi] = dn[vb, vh, vc, vi]
-                    ddn[vb, vh, vc, vi] = ddn[vb, vh, vc, vi] + gl[vb, vh // group, vc] \
-                        * Kc[vb, vh, vc, vt, vi] * Qms[vb, vh, vc, vt]
+            _cross_sums(ddE, dE, ddn, dn, Kc, QPs, Qms, QP, Qm, gl, None, b, hh, c, n, dk, dv,
+                        group)
 
     return ahla_chunk_cross
 

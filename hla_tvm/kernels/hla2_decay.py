@@ -31,7 +31,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from ._tir import accum_dtype, decay_weights as _decay_weights, load_token as _load_token, \
+from ._tir import accum_dtype, cross_sums as _cross_sums, decay_weights as _decay_weights, load_token as _load_token, \
     scale_rows as _scale_rows, update_axpy as _update_axpy, update_outer as _update_outer, vecdot as _vecdot, \
     vecmat as _vecmat, write_token as _write_token, chunk_len, const, gpow, matmul as _matmul, \
     matvec as _matvec, powers as _powers, stage as _stage, transpose as _transpose
@@ -293,28 +293,7 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _matmul(KCs, Kc, Cc, b, hh, c, n, dv, dk, False, "KCs")
             _matvec(Kms, Kc, mc, b, hh, c, n, dk, False, "Kms")
-            for t, j in T.grid(n, dv):
-                with T.sblock("KC"):
-                    vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
-                    KC[vb, vh, vc, vt, vj] = KCs[vb, vh, vc, vt, vj]
-            for t in T.serial(n):
-                with T.sblock("Km"):
-                    vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
-                    Km[vb, vh, vc, vt] = Kms[vb, vh, vc, vt]
-            for i, j, t in T.grid(dk, dv, n):
-                with T.sblock("ddG"):
-                    vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
-                    with T.init():
-                        ddG[vb, vh, vc, vi, vj] = dG[vb, vh, vc, vi, vj]
-                    ddG[vb, vh, vc, vi, vj] = ddG[vb, vh, vc, vi, vj] + gl[vb, vh // group, vc] \
-                        / g[vh] * Kc[vb, vh, vc, vt, vi] * KCs[vb, vh, vc, vt, vj]
-            for i, t in T.grid(dk, n):
-                with T.sblock("ddh"):
-                    vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
-                    with T.init():
-                        ddh[vb, vh, vc, vi] = dh[vb, vh, vc, vi]
-                    ddh[vb, vh, vc, vi] = ddh[vb, vh, vc, vi] + gl[vb, vh // group, vc] / g[vh] \
-                        * Kc[vb, vh, vc, vt, vi] * Kms[vb, vh, vc, vt]
+            _cross_sums(ddG, dG, ddh, dh, Kc, KCs, Kms, KC, Km, gl, g, b, hh, c, n, dk, dv, group)
 
     return hla2d_chunk_cross
 
