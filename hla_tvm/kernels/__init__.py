@@ -2,7 +2,8 @@
 
 KERNELS maps a kernel family to its module: hla2 (second order, undecayed: one-product chunk
 carry), hla2d (second order with Algorithm 1's decay), ahla, hla3; the last three share the
-prefill structure summary -> scans -> cross -> scans -> output. STATE_NAMES gives each family's
+prefill structure summaries of the prefix sums -> their scans -> cross (the cross-term
+increments) -> their scans -> output. STATE_NAMES gives each family's
 state entries in the order its kernels take them. The TensorIR modules (and KERNELS) load on first
 use: the chains need no TVM compiler."""
 from ..reference import ahla as _ahla_ref, hla2 as _hla2_ref, hla3 as _hla3_ref

@@ -86,37 +86,6 @@ def matmul(dst, a, bm, b, hh, c, rows, cols, red, a_transposed, name, causal=Fal
                         + a[vb, vh // agroup, vc, vi, vr] * bm[vb, vh // bgroup, vc, vr, vj]
 
 
-@T.macro
-def cross_sums(ddX, dX, ddx, dx, K, Y, y, Yout, yout, gl, g, b, hh, c, n, dk, dv, group):
-    """One chunk's cross-term increments summed with its n tokens inside, the products Y [n, dv]
-    and y [n] (scratch) kept in Yout, yout for the output kernel:
-        ddX = dX + w K^T Y,  ddx = dx + w K^T y,  w = gl[h // group] (/ g[h] where g is given)."""
-    for t, j in T.grid(n, dv):
-        with T.sblock("keep_Y"):
-            vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
-            Yout[vb, vh, vc, vt, vj] = Y[vb, vh, vc, vt, vj]
-    for t in T.serial(n):
-        with T.sblock("keep_y"):
-            vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
-            yout[vb, vh, vc, vt] = y[vb, vh, vc, vt]
-    for i, j, t in T.grid(dk, dv, n):
-        with T.sblock("ddX"):
-            vb, vh, vc, vi, vj, vt = T.axis.remap("SSSSSR", [b, hh, c, i, j, t])
-            with T.init():
-                ddX[vb, vh, vc, vi, vj] = dX[vb, vh, vc, vi, vj]
-            ddX[vb, vh, vc, vi, vj] = ddX[vb, vh, vc, vi, vj] + (
-                gl[vb, vh // group, vc] / g[vh] if g is not None else gl[vb, vh // group, vc]) \
-                * K[vb, vh, vc, vt, vi] * Y[vb, vh, vc, vt, vj]
-    for i, t in T.grid(dk, n):
-        with T.sblock("ddx"):
-            vb, vh, vc, vi, vt = T.axis.remap("SSSSR", [b, hh, c, i, t])
-            with T.init():
-                ddx[vb, vh, vc, vi] = dx[vb, vh, vc, vi]
-            ddx[vb, vh, vc, vi] = ddx[vb, vh, vc, vi] + (
-                gl[vb, vh // group, vc] / g[vh] if g is not None else gl[vb, vh // group, vc]) \
-                * K[vb, vh, vc, vt, vi] * y[vb, vh, vc, vt]
-
-
 def gpow(lg, x, dtype):
     """gamma^x as exp(x log gamma) (exactly 1 for gamma = 1)."""
     return T.exp(lg * T.Cast(dtype, x))
@@ -314,6 +283,32 @@ def matvec(dst, a, x, b, hh, c, rows, red, a_transposed, name, agroup=1, xgroup=
             else:
                 dst[vb, vh, vc, vi] = dst[vb, vh, vc, vi] \
                     + a[vb, vh // agroup, vc, vi, vr] * x[vb, vh // xgroup, vc, vr]
+
+
+@T.macro
+def cross_sums(ddX, ddx, K, Y, y, Z, z, X, x, Yout, yout, w, b, hh, c, n, dk, dv):
+    """One chunk's cross-term increments summed with its n tokens inside, the products Y [n, dv]
+    and y [n] (scratch) kept in Yout, yout for the output kernel:
+        ddX = K^T (w Y + Z),  ddx = K^T (w y + z)   (w = w[b, h, c], X, x scratch)."""
+    for t, j in T.grid(n, dv):
+        with T.sblock("keep_Y"):
+            vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
+            Yout[vb, vh, vc, vt, vj] = Y[vb, vh, vc, vt, vj]
+    for t in T.serial(n):
+        with T.sblock("keep_y"):
+            vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+            yout[vb, vh, vc, vt] = y[vb, vh, vc, vt]
+    for t, j in T.grid(n, dv):
+        with T.sblock("X"):
+            vb, vh, vc, vt, vj = T.axis.remap("SSSSS", [b, hh, c, t, j])
+            X[vb, vh, vc, vt, vj] = w[vb, vh, vc] * Y[vb, vh, vc, vt, vj] \
+                + Z[vb, vh, vc, vt, vj]
+    for t in T.serial(n):
+        with T.sblock("x"):
+            vb, vh, vc, vt = T.axis.remap("SSSS", [b, hh, c, t])
+            x[vb, vh, vc, vt] = w[vb, vh, vc] * y[vb, vh, vc, vt] + z[vb, vh, vc, vt]
+    matmul(ddX, K, X, b, hh, c, dk, dv, n, True, "ddX")
+    matvec(ddx, K, x, b, hh, c, dk, n, True, "ddx")
 
 
 def zero_state(tails, dtype="float32"):

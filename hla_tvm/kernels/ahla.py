@@ -3,10 +3,9 @@ gamma = 1 for none). State (P, m, E, n); chunk form, local t = 1..len, A = L * (
 Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s):
 
     chunk_ksummary dP = K^T (tail V), dm = K^T tail, gl = g^len, per key/value head (parallel)
-    chunk_summary  dE = K^T (A (tail V)), dn = K^T (A tail)                      (parallel)
     chunk_scan     P, m (key/value heads): record Pc, mc, advance               (sequential)
     chunk_cross    QP = Q Pc, Qm = Q mc (kept for the output),
-                   ddE = gl K^T QP + dE,  ddn = gl K^T Qm + dn                   (parallel)
+                   ddE = K^T (gl QP + A (tail V)),  ddn = K^T (gl Qm + A tail)   (parallel)
     chunk_scan     E, n with ddE, ddn: record Ec, nc, advance                   (sequential)
     chunk_output   O = diag(g^t) (Q Ec + A QP) + ((A A) * Gamma) V               (parallel)
                    [/ (g^t (Q nc + A Qm) + ((A A) * Gamma) 1 + eps)]
@@ -14,8 +13,10 @@ Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s):
                    n = gn + k (q^T m), o = q^T E [/ (q^T n + eps)]
 With grouped heads (group > 1) the key/value-head buffers (k, v, P, m, dP, dm, Pc, mc, gl) are
 read at head h // group by query head h (the decay is equal within a group).
-The cross term's (K^T Q) Pc is summed as K^T (Q Pc): 2 n dk dv multiply-adds per chunk where
-(K^T Q) Pc took dk^2 (n + dv), and Q Pc serves the output's A (Q Pc) too.
+The cross term (K^T Q) Pc is summed as K^T (Q Pc), in one product with the chunk's own term
+K^T (A (tail V)): Q Pc and K^T X take 2 n dk dv multiply-adds per chunk, where (K^T Q) Pc took
+dk^2 (n + dv) and the own term a K^T product and a dk x dv buffer of its own (a summary kernel);
+Q Pc serves the output's A (Q Pc) too.
 """
 from __future__ import annotations
 
@@ -93,14 +94,17 @@ def chunk_ksummary(dk: int, dv: int, n: int, *, dtype="float32"):
     return ahla_chunk_ksummary
 
 
-def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: dE = K^T (A (tail V)) [B, H, NC, dk, dv], dn = K^T (A tail) [B, H, NC, dk]."""
+def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+    """QP = Q Pc [B, H, NC, n, dv], Qm = Q mc [.., n] (kept for the output),
+    ddE = K^T (gl QP + A (tail V)) [B, H, NC, dk, dv], ddn = K^T (gl Qm + A tail) [.., dk];
+    k, v, Pc, mc of the key/value heads [B, H / group, ..]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
-    def ahla_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                           dE_h: T.handle, dn_h: T.handle):
+    def ahla_chunk_cross(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                         Pc_h: T.handle, mc_h: T.handle, ddE_h: T.handle, ddn_h: T.handle,
+                         QP_h: T.handle, Qm_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -109,8 +113,12 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
-        dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
+        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
+        ddE = T.match_buffer(ddE_h, (B, H, NC, dk, dv), acc)
+        ddn = T.match_buffer(ddn_h, (B, H, NC, dk), acc)
+        QP = T.match_buffer(QP_h, (B, H, NC, n, dv), acc)
+        Qm = T.match_buffer(Qm_h, (B, H, NC, n), acc)
         gl = T.sblock_alloc_buffer((B, H, NC), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
@@ -122,6 +130,10 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         AV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         At = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        QPs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Qms = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        X = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        x = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
@@ -135,48 +147,10 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
             _matmul(AV, A, Vt, b, hh, c, n, dv, n, False, "AV")
-            _matmul(dE, Kc, AV, b, hh, c, dk, dv, n, True, "dE")
             _matvec(At, A, tail, b, hh, c, n, n, False, "At")
-            _matvec(dn, KT, At, b, hh, c, dk, n, False, "dn")
-
-    return ahla_chunk_summary
-
-
-def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """QP = Q Pc [B, H, NC, n, dv], Qm = Q mc [.., n], ddE = gl K^T QP + dE,
-    ddn = gl K^T Qm + dn; k, Pc, mc, gl of the key/value heads [B, H / group, ..]."""
-    io, acc = dtype, accum_dtype(dtype)
-
-    @T.prim_func(s_tir=True)
-    def ahla_chunk_cross(q_h: T.handle, k_h: T.handle, Pc_h: T.handle, mc_h: T.handle,
-                         dE_h: T.handle, dn_h: T.handle, gl_h: T.handle, ddE_h: T.handle,
-                         ddn_h: T.handle, QP_h: T.handle, Qm_h: T.handle):
-        B = T.int64()
-        H = T.int64()
-        L = T.int64()
-        NC = T.int64()
-        q = T.match_buffer(q_h, (B, H, L, dk), io)
-        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
-        Pc = T.match_buffer(Pc_h, (B, H // group, NC, dk, dv), acc)
-        mc = T.match_buffer(mc_h, (B, H // group, NC, dk), acc)
-        dE = T.match_buffer(dE_h, (B, H, NC, dk, dv), acc)
-        dn = T.match_buffer(dn_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
-        ddE = T.match_buffer(ddE_h, (B, H, NC, dk, dv), acc)
-        ddn = T.match_buffer(ddn_h, (B, H, NC, dk), acc)
-        QP = T.match_buffer(QP_h, (B, H, NC, n, dv), acc)
-        Qm = T.match_buffer(Qm_h, (B, H, NC, n), acc)
-        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        QPs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        Qms = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        for b, hh, c in T.grid(B, H, NC):
-            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _matmul(QPs, Qc, Pc, b, hh, c, n, dv, dk, False, "QPs", bgroup=group)
             _matvec(Qms, Qc, mc, b, hh, c, n, dk, False, "Qms", xgroup=group)
-            _cross_sums(ddE, dE, ddn, dn, Kc, QPs, Qms, QP, Qm, gl, None, b, hh, c, n, dk, dv,
-                        group)
+            _cross_sums(ddE, ddn, Kc, QPs, Qms, AV, At, X, x, QP, Qm, gl, b, hh, c, n, dk, dv)
 
     return ahla_chunk_cross
 

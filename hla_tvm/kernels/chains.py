@@ -10,8 +10,9 @@ Kernel families: hla2 (second order, undecayed prefill: one-product carry), hla2
 with decay; its decode also serves undecayed second order with gamma = 1), ahla, hla3.
 
     hla2 prefill     ksummary -> scan of S -> summary -> carry (in place on the state) -> output
-    hla2d, ahla,     ksummary (+ summary) -> scans of the prefix sums -> cross -> scans of the
-    hla3 prefill     cross-term states -> output
+    hla2d, ahla,     ksummary (+ summary) -> scans of the prefix sums -> cross (the cross-term
+    hla3 prefill     increments, the chunk's own terms inside) -> scans of the cross-term states
+                     -> output
     decode           one in-place state update and readout
 
 Key/value heads: a call marked kv (the ksummary and the scans of the state entries built from
@@ -97,10 +98,9 @@ _PREFILL = {
     ),
     "hla2d": (
         Call("ksummary", ("k", "gamma"), (("dS", "kk"), ("gl", "1")), kv=True),
-        Call("summary", ("q", "k", "v", "gamma"),
-             (("dC", "kv"), ("dm", "k"), ("dG", "kv"), ("dh", "k"))),
+        Call("summary", ("q", "v", "gamma"), (("dC", "kv"), ("dm", "k"))),
         _scan("S", "dS", "kk", kv=True), _scan("C", "dC", "kv"), _scan("m", "dm", "k"),
-        Call("cross", ("k", "Cc", "mc", "dG", "dh", "gl", "gamma"),
+        Call("cross", ("q", "k", "v", "gamma", "Cc", "mc"),
              (("ddG", "kv"), ("ddh", "k"), ("KC", "nv"), ("Km", "n"))),
         _scan("G", "ddG", "kv"), _scan("h", "ddh", "k"),
         Call("output", ("q", "k", "v", "gamma", "Sc", "Cc", "mc", "Gc", "hc", "KC", "Km"),
@@ -109,9 +109,8 @@ _PREFILL = {
     "ahla": (
         Call("ksummary", ("k", "v", "gamma"), (("dP", "kv"), ("dm", "k"), ("gl", "1")),
              kv=True),
-        Call("summary", ("q", "k", "v", "gamma"), (("dE", "kv"), ("dn", "k"))),
         _scan("P", "dP", "kv", kv=True), _scan("m", "dm", "k", kv=True),
-        Call("cross", ("q", "k", "Pc", "mc", "dE", "dn", "gl"),
+        Call("cross", ("q", "k", "v", "gamma", "Pc", "mc"),
              (("ddE", "kv"), ("ddn", "k"), ("QP", "nv"), ("Qm", "n"))),
         _scan("E", "ddE", "kv"), _scan("n", "ddn", "k"),
         Call("output", ("q", "k", "v", "gamma", "Ec", "QP", "nc", "Qm"), (("o", "o"),)),

@@ -5,11 +5,10 @@ undecayed chunk carry of `hla2.chunk_carry` does not apply. Instead, local s, t 
 tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
 
     chunk_ksummary dS = K^T (tail K), gl = g^len, per key/value head                  (parallel)
-    chunk_summary  dC = Q^T (tail V), dm = Q^T tail,
-                   dG = K^T (B (tail1 V)), dh = K^T (B tail1)                          (parallel)
+    chunk_summary  dC = Q^T (tail V), dm = Q^T tail                                  (parallel)
     chunk_scan     S (key/value heads), C, m: record Sc, Cc, mc                        (sequential)
-    chunk_cross    KC = K Cc, Km = K mc (kept for the output),
-                   ddG = g^(len-1) K^T KC + dG,  ddh = g^(len-1) K^T Km + dh           (parallel)
+    chunk_cross    KC = K Cc, Km = K mc (kept for the output),                         (parallel)
+                   ddG = K^T (g^(len-1) KC + B (tail1 V)),  ddh = K^T (g^(len-1) Km + B tail1)
     chunk_scan     G, h                                                                (sequential)
     chunk_output   (W = L * (Q K^T), Gamma[t, s] = g^(t-s) [s <= t], Gamma'[t, s] = g^(t-1-s) [s < t])
         num = g^t (g^t Q Sc Cc - Q Gc + l Q Cc) + KW KC + M V
@@ -18,8 +17,9 @@ tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
         den = the same with Cc -> mc, Gc -> hc, KC -> Km, V -> 1, plus eps (parallel)
     (unmasked drops every G, h term, the g^(t-1) L weight and the W B term; ridge = 0 every l
     term: those products are not computed.)
-    The cross term's K^T K Cc is summed as K^T (K Cc): 2 n dk dv multiply-adds per chunk where
-    (K^T K) Cc took dk^2 (n + dv), and K Cc serves the output too.
+    The cross term K^T K Cc is summed as K^T (K Cc), in one product with the chunk's own term
+    K^T (B (tail1 V)): 2 n dk dv multiply-adds per chunk where (K^T K) Cc took dk^2 (n + dv) and
+    the own term a K^T product of its own; K Cc serves the output too.
     decode         Algorithm 1 for one token, in place (GPUs: columns=True, the same step
                    reading each state element once).
 With grouped heads (group > 1) the key/value-head buffers (k, v, S, dS, Sc, gl) are read at head
@@ -195,13 +195,49 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
 
 
 def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """Per chunk: dC, dG [B, H, NC, dk, dv], dm, dh [.., dk] (module docstring)."""
+    """Per chunk: dC = Q^T (tail V) [B, H, NC, dk, dv], dm = Q^T tail [.., dk]; v of the
+    key/value heads."""
+    io, acc = dtype, accum_dtype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def hla2d_chunk_summary(q_h: T.handle, v_h: T.handle, g_h: T.handle, dC_h: T.handle,
+                            dm_h: T.handle):
+        B = T.int64()
+        H = T.int64()
+        L = T.int64()
+        NC = T.int64()
+        q = T.match_buffer(q_h, (B, H, L, dk), io)
+        v = T.match_buffer(v_h, (B, H // group, L, dv), io)
+        g = T.match_buffer(g_h, (H,), acc)
+        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
+        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
+        gl = T.sblock_alloc_buffer((B, H, NC), acc)
+        Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        for b, hh, c in T.grid(B, H, NC):
+            _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
+            _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
+            _decay_weights(tail, gl, g, b, hh, c, n, L)
+            _scale_rows(Vt, tail, Vc, b, hh, c, n, dv, "Vt")
+            _matmul(dC, Qc, Vt, b, hh, c, dk, dv, n, True, "dC")
+            _matvec(dm, Qc, tail, b, hh, c, dk, n, True, "dm")
+
+    return hla2d_chunk_summary
+
+
+def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
+    """KC = K Cc [B, H, NC, n, dv], Km = K mc [.., n] (kept for the output),
+    ddG = K^T (g^(len-1) KC + B (tail1 V)) [B, H, NC, dk, dv],
+    ddh = K^T (g^(len-1) Km + B tail1) [.., dk]; k, v of the key/value heads."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
     @T.prim_func(s_tir=True)
-    def hla2d_chunk_summary(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                            dC_h: T.handle, dm_h: T.handle, dG_h: T.handle, dh_h: T.handle):
+    def hla2d_chunk_cross(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                          Cc_h: T.handle, mc_h: T.handle, ddG_h: T.handle, ddh_h: T.handle,
+                          KC_h: T.handle, Km_h: T.handle):
         B = T.int64()
         H = T.int64()
         L = T.int64()
@@ -210,31 +246,35 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         k = T.match_buffer(k_h, (B, H // group, L, dk), io)
         v = T.match_buffer(v_h, (B, H // group, L, dv), io)
         g = T.match_buffer(g_h, (H,), acc)
-        dC = T.match_buffer(dC_h, (B, H, NC, dk, dv), acc)
-        dm = T.match_buffer(dm_h, (B, H, NC, dk), acc)
-        dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
-        dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
-        gl = T.sblock_alloc_buffer((B, H, NC), acc)
+        Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
+        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
+        ddG = T.match_buffer(ddG_h, (B, H, NC, dk, dv), acc)
+        ddh = T.match_buffer(ddh_h, (B, H, NC, dk), acc)
+        KC = T.match_buffer(KC_h, (B, H, NC, n, dv), acc)
+        Km = T.match_buffer(Km_h, (B, H, NC, n), acc)
+        w = T.sblock_alloc_buffer((B, H, NC), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        tail = T.sblock_alloc_buffer((B, H, NC, n), acc)
         tail1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        Vt = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         Vt1 = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         KQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         Bs = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         BV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         B1 = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        KCs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Kms = T.sblock_alloc_buffer((B, H, NC, n), acc)
+        X = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        x = T.sblock_alloc_buffer((B, H, NC, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
             _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
-            _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
-            _decay_weights(tail, gl, g, b, hh, c, n, L)
+            with T.sblock("w"):
+                vb, vh, vc = T.axis.remap("SSS", [b, hh, c])
+                w[vb, vh, vc] = gpow(T.log(g[vh]), chunk_len(vc, n, L) - 1, acc)
             for s in T.serial(n):
                 with T.sblock("tail1"):
                     vb, vh, vc, vs = T.axis.remap("SSSS", [b, hh, c, s])
@@ -242,58 +282,17 @@ def chunk_summary(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                         T.Cast("int64", vs) + 1 < chunk_len(vc, n, L),
                         gpow(T.log(g[vh]), chunk_len(vc, n, L) - 2 - T.Cast("int64", vs), acc),
                         _c(0))
-            for s, x in T.grid(n, dv):
-                with T.sblock("Vt"):
-                    vb, vh, vc, vs, vx = T.axis.remap("SSSSS", [b, hh, c, s, x])
-                    Vt[vb, vh, vc, vs, vx] = tail[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
-                    Vt1[vb, vh, vc, vs, vx] = tail1[vb, vh, vc, vs] * Vc[vb, vh, vc, vs, vx]
-            _matmul(dC, Qc, Vt, b, hh, c, dk, dv, n, True, "dC")
-            _matvec(dm, QT, tail, b, hh, c, dk, n, False, "dm")
+            _scale_rows(Vt1, tail1, Vc, b, hh, c, n, dv, "Vt1")
             _matmul(KQ, Kc, QT, b, hh, c, n, n, dk, False, "KQ")
             for j, s in T.grid(n, n):
                 with T.sblock("Bs"):
                     vb, vh, vc, vj, vs = T.axis.remap("SSSSS", [b, hh, c, j, s])
                     Bs[vb, vh, vc, vj, vs] = T.Select(vs < vj, KQ[vb, vh, vc, vj, vs], _c(0))
             _matmul(BV, Bs, Vt1, b, hh, c, n, dv, n, False, "BV")
-            _matmul(dG, Kc, BV, b, hh, c, dk, dv, n, True, "dG")
             _matvec(B1, Bs, tail1, b, hh, c, n, n, False, "B1")
-            _matvec(dh, KT, B1, b, hh, c, dk, n, False, "dh")
-
-    return hla2d_chunk_summary
-
-
-def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
-    """KC = K Cc [B, H, NC, n, dv], Km = K mc [.., n], ddG = g^(len-1) K^T KC + dG,
-    ddh = g^(len-1) K^T Km + dh (g^(len-1) = gl / g); k and gl of the key/value heads."""
-    io, acc = dtype, accum_dtype(dtype)
-
-    @T.prim_func(s_tir=True)
-    def hla2d_chunk_cross(k_h: T.handle, Cc_h: T.handle, mc_h: T.handle, dG_h: T.handle,
-                          dh_h: T.handle, gl_h: T.handle, g_h: T.handle, ddG_h: T.handle,
-                          ddh_h: T.handle, KC_h: T.handle, Km_h: T.handle):
-        B = T.int64()
-        H = T.int64()
-        L = T.int64()
-        NC = T.int64()
-        k = T.match_buffer(k_h, (B, H // group, L, dk), io)
-        Cc = T.match_buffer(Cc_h, (B, H, NC, dk, dv), acc)
-        mc = T.match_buffer(mc_h, (B, H, NC, dk), acc)
-        dG = T.match_buffer(dG_h, (B, H, NC, dk, dv), acc)
-        dh = T.match_buffer(dh_h, (B, H, NC, dk), acc)
-        gl = T.match_buffer(gl_h, (B, H // group, NC), acc)
-        g = T.match_buffer(g_h, (H,), acc)
-        ddG = T.match_buffer(ddG_h, (B, H, NC, dk, dv), acc)
-        ddh = T.match_buffer(ddh_h, (B, H, NC, dk), acc)
-        KC = T.match_buffer(KC_h, (B, H, NC, n, dv), acc)
-        Km = T.match_buffer(Km_h, (B, H, NC, n), acc)
-        Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        KCs = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        Kms = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        for b, hh, c in T.grid(B, H, NC):
-            _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _matmul(KCs, Kc, Cc, b, hh, c, n, dv, dk, False, "KCs")
             _matvec(Kms, Kc, mc, b, hh, c, n, dk, False, "Kms")
-            _cross_sums(ddG, dG, ddh, dh, Kc, KCs, Kms, KC, Km, gl, g, b, hh, c, n, dk, dv, group)
+            _cross_sums(ddG, ddh, Kc, KCs, Kms, BV, B1, X, x, KC, Km, w, b, hh, c, n, dk, dv)
 
     return hla2d_chunk_cross
 

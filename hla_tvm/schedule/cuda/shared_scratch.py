@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..common import among, root_scratch
+from ..common import among, own_loops, root_scratch, writes_alone
 
 SCOPE = "shared.dyn"
 
@@ -58,7 +58,12 @@ def _drop_unread(sch, blocks):
 
 def shared_scratch(sch, func_name):
     """Give every buffer the root block allocates the scope SCOPE (through the first block
-    that writes it); blocks whose scratch nothing reads are removed."""
+    that writes it), but a single value per thread block (written by a block with no loops of
+    its own under the thread-block loop, and by no other block: a chunk's total decay) the
+    scope "local": a register of
+    every thread, each computing it (`thread_stages`; TVM 0.27's shared-memory merging failed on
+    such a one-element shared buffer: InternalError, buffer_byte_offsets). Blocks whose scratch
+    nothing reads are removed."""
     root = sch.get_sblock("root")
     blocks = _drop_unread(sch, sch.get_child_blocks(root))
     for buf in list(sch.get(root).alloc_buffers):
@@ -67,5 +72,7 @@ def shared_scratch(sch, func_name):
         for block in blocks:
             writes = [i for i, r in enumerate(sch.get(block).writes) if r.source.same_as(buf)]
             if writes:
-                sch.set_scope(block, writes[0], SCOPE)
+                one = not own_loops(sch, block) and sch.get(block).init is None and \
+                    writes_alone(sch, block)
+                sch.set_scope(block, writes[0], "local" if one else SCOPE)
                 break

@@ -9,8 +9,8 @@ count that needs no predicate there). A matrix-product stage (two output loops) 
 of adjacent outputs per thread (`TILES`: up to 4 x 4, 16 independent sums per step, each
 operand element loaded once for 4 of them) where its outputs leave every thread a tile.
 
-A stage computing one value into a register (`shared_scratch.hoist`: a dot product) is left
-to every thread; a stage writing one value elsewhere runs on thread 0."""
+A stage computing one value into a register (a dot product of a decode, a chunk's total decay:
+`shared_scratch`) is left to every thread; a stage writing one value elsewhere runs on thread 0."""
 from __future__ import annotations
 
 import math
