@@ -134,8 +134,8 @@ def _tvm_not_yet(op, *, decay, device):
 
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
-    """The PyTorch forms: chunk form (all chunks at once without decay, else the reference's
-    chunk loop), in float64 for float64 input and float32 otherwise. The
+    """The PyTorch forms: the chunk form with every chunk at once (`fast.chunk`), in float64
+    for float64 input and float32 otherwise. The
     serial recurrence runs instead where the chunk form cannot give the exact answer: padding
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
     zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
@@ -151,12 +151,11 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     if mask is not None or not all(bool(torch.isfinite(x).all()) for x in (qw, kw, vw)):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
-    elif decay is None:   # every chunk at once (`fast.chunk`)
+    else:   # every chunk at once (`fast.chunk`)
         from .fast.chunk import CHUNKED
 
-        out, st = CHUNKED[op.name](qw, kw, vw, chunk_size=chunk_size, state=st, **opts)
-    else:
-        out, st = op.ref.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st, **opts)
+        out, st = CHUNKED[op.name](qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st,
+                                   **opts)
     return out.to(q.dtype), st
 
 

@@ -6,7 +6,7 @@ the tuned ones.
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
          the state), torch (`fast.step`, in place), torch_compile (torch.compile of it),
          state_copy (copying the state's bytes once: the floor of a memory-bound step)
-prefill: tvm (`hla`), torch (`fast.chunk` without decay, else the reference chunk loop),
+prefill: tvm (`hla`), torch (`fast.chunk`: every chunk at once, with or without decay),
          torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
          quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
          function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
@@ -36,6 +36,27 @@ def _measure(fn, runs, number=1, probe=None):
             fn()
         times.append((time.perf_counter() - t0) / number)
     return statistics.median(times), min(times)
+
+
+def _measure_rounds(cases, runs, number=1, probe=None):
+    """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
+    rounds (each round times `number` calls of every case in turn), after each case's warm-up
+    (two calls; the second through `probe(name, fn)` when given): a slow or fast spell of a
+    noisy machine falls on every case alike, not on whichever ran then."""
+    for name, fn in cases.items():
+        fn()
+        if probe is None:
+            fn()
+        else:
+            probe(name, fn)
+    times = {name: [] for name in cases}
+    for _ in range(runs):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times[name].append((time.perf_counter() - t0) / number)
+    return times
 
 
 def machine():
@@ -140,16 +161,12 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
     if _tuned_records():
         cases["tvm_tuned"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
                                          schedules="auto", **kw)
-    if decay is None:
-        def fast(q, k, v):
-            return CHUNKED[op](q, _repeat_kv(k, heads), _repeat_kv(v, heads),
-                               chunk_size=chunk_size)[0]
-        compiled = torch.compile(fast, dynamic=False)
-        cases["torch"] = lambda: fast(q, k, v)
-        cases["torch_compile"] = lambda: compiled(q, k, v)
-    else:
-        cases["torch"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
-                                     backend="torch", **kw)
+    def fast(q, k, v):
+        return CHUNKED[op](q, _repeat_kv(k, heads), _repeat_kv(v, heads),
+                           chunk_size=chunk_size, decay=decay)[0]
+    compiled = torch.compile(fast, dynamic=False)
+    cases["torch"] = lambda: fast(q, k, v)
+    cases["torch_compile"] = lambda: compiled(q, k, v)
     cases["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
     ort = _onnxruntime_case(q, k, v, op, decay)
@@ -218,14 +235,17 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         shape.update(seq=seq, chunk_size=chunk_size)
         cases = prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads)
         number = 1
+    peaks = {}   # prefill: the second warm-up call measures the memory too
+
+    def probe(name, fn):
+        peaks[name] = peak_rss_growth(fn)
+
+    times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None)
     results = {}
-    for name, fn in cases.items():
-        peak = []   # prefill: the second warm-up call measures the memory too
-        probe = (lambda f: peak.append(peak_rss_growth(f))) if mode == "prefill" else None
-        med, best = _measure(fn, repeat, number, probe)
-        results[name] = {"median_s": med, "min_s": best, "runs": repeat}
-        if peak:
-            results[name]["peak_bytes"] = peak[0]
+    for name, ts in times.items():
+        results[name] = {"median_s": statistics.median(ts), "min_s": min(ts), "runs": repeat}
+        if name in peaks:
+            results[name]["peak_bytes"] = peaks[name]
     extra = {}
     if mode == "prefill":
         extra["sgemm_gflops"] = sgemm_rate()
@@ -254,7 +274,7 @@ def _table(report, out):
         f" Dk={s['dk']} Dv={s['dv']}" + \
         (f" T={s['seq']} chunk {s['chunk_size']}" if report["mode"] == "prefill" else "")
     out(f"hla-tvm bench {report['mode']}: {what}, {size}; {m['cpu']} ({m['cores']} cores, "
-        f"{m['isa']}), median of {next(iter(res.values()))['runs']} runs")
+        f"{m['isa']}), median of {next(iter(res.values()))['runs']} rounds")
     ref = res["tvm"]["median_s"]
     peak = report["mode"] == "prefill"
     out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}"

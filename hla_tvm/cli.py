@@ -387,7 +387,9 @@ def build_parser():
                             "the state once, the floor); prefill: tvm, torch (the chunk form "
                             "with every chunk at once), torch_compile, torch_sdpa (causal "
                             "softmax), onnxruntime (one exported hla_tvm::HLA node, where "
-                            "onnxruntime is installed), and this machine's sgemm rate. With "
+                            "onnxruntime is installed), and this machine's sgemm rate. The "
+                            "cases are timed in rounds (each once per round), so a noisy "
+                            "machine's slow spells fall on all of them. With "
                             "--kv-heads the PyTorch forms repeat k, v for each group.")
     b.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
                    help="what to time")

@@ -38,34 +38,55 @@ def test_fast_hla2_step_options():
 @pytest.mark.parametrize("opts", [dict(), dict(normalize=True), dict(masked=False),
                                   dict(masked=False, normalize=True, ridge=0.3),
                                   dict(ridge=0.3, normalize=True)])
-@pytest.mark.parametrize("T, chunk", [(1, 4), (37, 8), (64, 16), (50, 64)])
-def test_fast_chunked_matches_quadratic_and_serial(T, chunk, opts):
+# (37, 2): 19 chunks, more than one block of the decayed carry (`fast.chunk.CARRY_BLOCK`)
+@pytest.mark.parametrize("T, chunk", [(1, 4), (37, 8), (64, 16), (50, 64), (37, 2)])
+@pytest.mark.parametrize("decay", [None, 0.9, "per-head"])
+def test_fast_chunked_matches_quadratic_and_serial(T, chunk, opts, decay):
     from hla_tvm.fast.chunk import hla2_chunked
 
+    dec = torch.tensor([0.5, 0.9, 0.99]) if decay == "per-head" else decay
     q, k, v = make_qkv(2, 3, T, 8, 4, seed=5, positive=opts.get("normalize", False))
     q0, k0, v0 = make_qkv(2, 3, 7, 8, 4, seed=6, positive=opts.get("normalize", False))
-    _, st0 = hla2.serial(q0, k0, v0)
-    want, want_st = hla2.serial(q, k, v, state=st0, **opts)
-    got, st = hla2_chunked(q, k, v, chunk_size=chunk, state=st0, **opts)
+    _, st0 = hla2.serial(q0, k0, v0, decay=dec)
+    want, want_st = hla2.serial(q, k, v, state=st0, decay=dec, **opts)
+    got, st = hla2_chunked(q, k, v, chunk_size=chunk, state=st0, decay=dec, **opts)
     assert rel_err(got, want) <= 1e-10
     assert all(rel_err(st[n], want_st[n]) <= 1e-10 for n in st)
-    fresh, _ = hla2_chunked(q, k, v, chunk_size=chunk, **opts)
-    assert rel_err(fresh, hla2.quadratic(q, k, v, **opts)) <= 1e-10
+    if decay is None:
+        fresh, _ = hla2_chunked(q, k, v, chunk_size=chunk, **opts)
+        assert rel_err(fresh, hla2.quadratic(q, k, v, **opts)) <= 1e-10
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("T, chunk", [(1, 4), (37, 8), (50, 64)])
+@pytest.mark.parametrize("T, chunk", [(1, 4), (37, 8), (50, 64), (37, 2)])
 @pytest.mark.parametrize("op", ["ahla", "hla3"])
-def test_fast_chunked_family_matches_serial(op, T, chunk, normalize):
+@pytest.mark.parametrize("decay", [None, 0.9, "per-head"])
+def test_fast_chunked_family_matches_serial(op, T, chunk, normalize, decay):
     """AHLA and third order with every chunk at once, from a carried state, against the
     float64 serial recurrence (outputs and final state)."""
     from hla_tvm.fast.chunk import CHUNKED
 
     ref, _ = REFS[op]
+    dec = torch.tensor([0.5, 0.9, 0.99]) if decay == "per-head" else decay
     q, k, v = make_qkv(2, 3, T, 8, 4, seed=5, positive=normalize)
     q0, k0, v0 = make_qkv(2, 3, 7, 8, 4, seed=6, positive=normalize)
-    _, st0 = ref.serial(q0, k0, v0)
-    want, want_st = ref.serial(q, k, v, state=st0, normalize=normalize)
-    got, st = CHUNKED[op](q, k, v, chunk_size=chunk, state=st0, normalize=normalize)
+    _, st0 = ref.serial(q0, k0, v0, decay=dec)
+    want, want_st = ref.serial(q, k, v, state=st0, normalize=normalize, decay=dec)
+    got, st = CHUNKED[op](q, k, v, chunk_size=chunk, state=st0, normalize=normalize,
+                          decay=dec)
     assert rel_err(got, want) <= 1e-10
     assert all(rel_err(st[n], want_st[n]) <= 1e-10 for n in st)
+
+
+@pytest.mark.parametrize("op", ["hla2", "ahla", "hla3"])
+def test_fast_chunked_tiny_decay_stays_finite(op):
+    """A decay as small as float32 holds (subnormal) gives the serial recurrence's outputs: the
+    decayed chunk forms take every power from its exponent and never divide by g."""
+    from hla_tvm.fast.chunk import CHUNKED
+
+    ref, _ = REFS[op]
+    q, k, v = make_qkv(1, 2, 37, 8, 4, seed=7)
+    want, _ = ref.serial(q, k, v, decay=1e-40)
+    got, _ = CHUNKED[op](q.float(), k.float(), v.float(), chunk_size=8, decay=1e-40)
+    assert torch.isfinite(got).all()
+    assert rel_err(got.double(), want) <= 1e-5

@@ -23,10 +23,11 @@ def powers(g, n):
     return g[..., None] ** torch.arange(n + 1, dtype=g.dtype, device=g.device)
 
 
-def decay_matrix(g, n, diagonal=0):
-    """Gamma[t, s] = g^(t - s) for s <= t (s < t for diagonal=-1), else 0: [B, H, n, n]."""
+def decay_matrix(g, n, diagonal=0, shift=0):
+    """Gamma[t, s] = g^(t - s - shift) for s <= t (s < t for diagonal=-1), else 0:
+    [B, H, n, n]."""
     idx = torch.arange(n, device=g.device)
-    diff = (idx[:, None] - idx[None, :]).clamp(min=0).to(g.dtype)
+    diff = (idx[:, None] - idx[None, :] - shift).clamp(min=0).to(g.dtype)
     return (g[..., None, None] ** diff) * causal(n, g.device, diagonal)
 
 
