@@ -8,7 +8,7 @@ behind it. The tile is a small buffer of scope "global": TVM places those (under
 stack, where LLVM promotes them to registers once unrolling makes every index constant; a
 "local" buffer would come from the workspace allocator and be stored to memory every step.
 COLS is two vector registers wide where that divides j (one otherwise); ROWS the largest divisor
-of i's extent within the target's accumulator budget (`tile`)."""
+of i's extent within the target's accumulator budget with the tile under 1 kB (`tile`)."""
 from __future__ import annotations
 
 import tvm
@@ -19,15 +19,23 @@ from ..common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_e
 # accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the
 # rest hold the B row segment and the broadcast A element
 ACCUMULATORS = {16: 24, 8: 12, 4: 12}
+# TVM puts a buffer on the stack only below this many bytes (`kMaxStackAlloca`); a tile of
+# 1 kB or more comes from the workspace allocator, which LLVM cannot keep in registers: it
+# stored every accumulator after each multiply-add (AVX-512's 8 x 32 float tile, 1024 bytes)
+STACK_BYTES = 1024
 
 
-def tile(rows_ext, cols_ext, lanes):
-    """(ROWS, COLS) of the register tile for a rows_ext x cols_ext output, `lanes` floats per
-    vector register; None when the columns do not split into whole vectors."""
+def tile(rows_ext, cols_ext, lanes, elem_bytes=4):
+    """(ROWS, COLS) of the register tile for a rows_ext x cols_ext output, `lanes` elements of
+    elem_bytes per vector register; None when the columns do not split into whole vectors. The
+    tile stays under STACK_BYTES."""
     cols = next((c for c in (2 * lanes, lanes) if cols_ext % c == 0), None)
     if cols is None:
         return None
-    budget = ACCUMULATORS.get(lanes, 12) // (cols // lanes)
+    budget = min(ACCUMULATORS.get(lanes, 12) // (cols // lanes),
+                 (STACK_BYTES - 1) // (cols * elem_bytes))
+    if budget < 1:
+        return None
     rows = max(r for r in range(1, min(budget, rows_ext) + 1) if rows_ext % r == 0)
     return rows, cols
 
@@ -35,7 +43,9 @@ def tile(rows_ext, cols_ext, lanes):
 def tile_choices(rows_ext, cols_ext, lanes):
     """(rows candidates, cols candidates) a tuner may pick the register tile from: the row
     counts from 2 dividing the output's rows up to 24 (AVX-512's accumulator budget) and one or
-    two vector registers of columns; None when the columns do not split into whole vectors."""
+    two vector registers of columns; None when the columns do not split into whole vectors.
+    (Tiles of STACK_BYTES or more are among them, as the shipped records' traces were sampled
+    from this list; the tuner measures them.)"""
     cols = [c for c in (lanes, 2 * lanes) if cols_ext % c == 0]
     if not cols:
         return None
@@ -90,7 +100,7 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False):
         (*lead, i, j), r = found
         ie, je = static_extent(sch, i), static_extent(sch, j)
         bits = tvm.DataType(sch.get(block).writes[0].source.dtype).bits
-        shape = tile(ie, je, max(1, lanes * 32 // bits)) if ie and je else None
+        shape = tile(ie, je, max(1, lanes * 32 // bits), bits // 8) if ie and je else None
         if shape is None:
             continue
         rows_choices, cols_choices = tile_choices(ie, je, max(1, lanes * 32 // bits))
