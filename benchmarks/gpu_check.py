@@ -509,23 +509,28 @@ def worker_timing(args):
             except Exception as err:
                 row["compiled_error"] = f"{type(err).__name__}: {err}"[:300]
         emit(row)
-    # prefill B1 H32 T D128 bfloat16, no decay (gamma = 1 for the decayed chains)
-    for fam in args.prefill_families.split(","):
+    # prefill B1 H32 T D128 bfloat16, no decay (gamma = 1 for the decayed chains); an entry
+    # "fam:g" runs that chain with decay g beside the PyTorch forms with decay g
+    for item in args.prefill_families.split(","):
         if time.time() > args.deadline:
             break
+        fam, _, g = item.partition(":")
         try:
-            time_prefill(kern, fam, args.prefill_tokens, args.deadline, emit)
+            time_prefill(kern, fam, args.prefill_tokens, args.deadline, emit,
+                         decay=float(g) if g else None)
         except Exception as err:   # kept with what was measured before it
-            done = [r for r in rows if (r["bench"], r.get("family")) == ("prefill", fam)]
-            emit({**(done[-1] if done else {"bench": "prefill", "family": fam}),
+            label = fam if not g else f"{fam} decay {float(g)}"
+            done = [r for r in rows if (r["bench"], r.get("family")) == ("prefill", label)]
+            emit({**(done[-1] if done else {"bench": "prefill", "family": label}),
                   "error": f"{type(err).__name__}: {err}"[:600]})
         torch.cuda.empty_cache()
 
 
-def time_prefill(kern, fam, T, deadline, emit):
+def time_prefill(kern, fam, T, deadline, emit, decay=None):
     """Time one family's prefill chain at B1 H32 T D128 bfloat16 (and each kernel of it) beside
     the PyTorch chunk form (eager, torch.compile) and SDPA causal softmax; its error against
-    the chunk form in float64."""
+    the chunk form in float64. With `decay` (every head's) the chain and the PyTorch forms
+    decay; the schedule variants are then not timed."""
     import torch
     import torch.nn.functional as F
 
@@ -539,15 +544,15 @@ def time_prefill(kern, fam, T, deadline, emit):
     q, k, v = (x * 0.2 for x in _inputs(B, H, H, T, d, dtype, 1))
     out = torch.empty(B, H, T, d, dtype=dtype, device="cuda")
     zero = REFERENCES[fam].zero_state(B, H, d, d, torch.float32, "cuda")
-    gamma = torch.ones(H, device="cuda")
+    gamma = torch.full((H,), 1.0 if decay is None else decay, device="cuda")
 
     def tvm_prefill(eid=eid):
         kern.run(eid, {"q": q, "k": k, "v": v, "gamma": gamma,
                        **{n: x.zero_() for n, x in zero.items()}}, out)
         return out
 
-    row = {"bench": "prefill", "family": fam, "shape": f"B1 H32 T{T} D128 bfloat16",
-           "chunk": e["chunk"]}
+    row = {"bench": "prefill", "family": fam if decay is None else f"{fam} decay {decay}",
+           "shape": f"B1 H32 T{T} D128 bfloat16", "chunk": e["chunk"]}
     row["tvm_ms"] = cuda_time(tvm_prefill, warmup=1, min_seconds=2, max_iters=10) * 1e3
     o_tvm = tvm_prefill().clone()
     # each kernel of the chain, on the buffers of one full run (timing repeats in-place
@@ -564,7 +569,7 @@ def time_prefill(kern, fam, T, deadline, emit):
     row["tvm_kernels_ms"] = per
     emit(dict(row))
     for vid in [x for x, v in kern.manifest["entries"].items()
-                if x.startswith(eid + "@") and v.get("variant")]:
+                if x.startswith(eid + "@") and v.get("variant") and decay is None]:
         if time.time() > deadline:
             break
         vrow = row.setdefault("variants", {})[vid.split("@", 1)[1]] = {}
@@ -576,18 +581,18 @@ def time_prefill(kern, fam, T, deadline, emit):
             vrow["error"] = f"{type(err).__name__}: {err}"[:300]
         emit(dict(row))
     form = fast_chunk.CHUNKED["hla2" if fam == "hla2d" else fam]
-    o64 = form(q.double(), k.double(), v.double(), chunk_size=64)[0]
+    o64 = form(q.double(), k.double(), v.double(), chunk_size=64, decay=decay)[0]
     row["tvm_rel_err_vs_float64"] = rel_err(o_tvm, o64)
     row["bf16_rounding_floor"] = rel_err(o64.to(dtype), o64)
     del o64
     qw, kw, vw = (x.float() for x in (q, k, v))
 
     def torch_form():
-        return form(qw, kw, vw, chunk_size=64)[0].to(dtype)
+        return form(qw, kw, vw, chunk_size=64, decay=decay)[0].to(dtype)
 
     row["torch_fp32_ms"] = cuda_time(torch_form, warmup=1, min_seconds=2, max_iters=10) * 1e3
-    row["torch_bf16_ms"] = cuda_time(lambda: form(q, k, v, chunk_size=64), warmup=1,
-                                     min_seconds=2, max_iters=10) * 1e3
+    row["torch_bf16_ms"] = cuda_time(lambda: form(q, k, v, chunk_size=64, decay=decay),
+                                     warmup=1, min_seconds=2, max_iters=10) * 1e3
     row["sdpa_flash_ms"] = cuda_time(lambda: F.scaled_dot_product_attention(
         q, k, v, is_causal=True), warmup=2, min_seconds=2, max_iters=20) * 1e3
     emit(dict(row))
@@ -907,10 +912,11 @@ def main(argv=None):
     p.add_argument("--check-seconds", type=float, default=180)
     p.add_argument("--timing-seconds", type=float, default=300)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d,ahla,hla3",
+    p.add_argument("--prefill-families", default="hla2d,ahla,hla3,hla2d:0.99",
                    help="comma-separated kernel families whose prefill is timed (hla2d: second "
                    "order as hla() runs it on a GPU; hla2: its serial carry; ahla, hla3; no "
-                   "decay), each beside its schedule variants (VARIANTS)")
+                   "decay), each beside its schedule variants (VARIANTS); FAMILY:G times it "
+                   "with decay G beside the PyTorch forms with decay G (no variants)")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
     p.add_argument("--compile-all", action="store_true",
                    help="torch.compile every decode step (default: second order's)")
@@ -939,7 +945,7 @@ def main(argv=None):
     p.add_argument("--result", required=True)
     p.add_argument("--deadline", type=float, required=True)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d,ahla,hla3")
+    p.add_argument("--prefill-families", default="hla2d,ahla,hla3,hla2d:0.99")
     p.add_argument("--compile-all", action="store_true")
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):
