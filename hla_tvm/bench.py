@@ -27,14 +27,8 @@ OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 def _measure(fn, runs, number=1, probe=None):
     """(median, min) seconds per call over `runs` timed runs of `number` calls, after warm-up
     (two calls; the second through `probe(fn)` when given, as `peak_rss_growth` does)."""
-    fn()
-    (probe or (lambda f: f()))(fn)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - t0) / number)
+    times = _measure_rounds({"fn": fn}, runs, number,
+                            None if probe is None else (lambda _, f: probe(f)))["fn"]
     return statistics.median(times), min(times)
 
 

@@ -1,15 +1,13 @@
 """HLA in the chunk form with every chunk at once: batched matrix products over [B, H, NC] and
-prefix sums over chunks (with decay a Python loop over blocks of chunks: `_carry`). Same results as the `chunked` forms of
-`reference.hla2`, `reference.ahla`, `reference.hla3` (the readable forms, whose docstrings
-derive them); differentiable. With decay g the state entering chunk c is
-X_c = g^(E_c) X_0 + sum_(j<c) g^(E_c - E_(j+1)) dX_j (E_c = c n, the chunk's first token;
-E_NC = T gives the final state), a decay-matrix product per block of chunks (`_carry`)."""
+prefix sums over chunks (with decay, decayed prefix sums: a decay-matrix product per block of
+chunks, `_carry`). Same results as the `chunked` forms of `reference.hla2`, `reference.ahla`,
+`reference.hla3` (the readable forms, whose docstrings derive them); differentiable."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..reference._common import decay_matrix
+from ..reference._common import decay_matrix, gamma
 from ..reference.hla2 import zero_state
 
 
@@ -150,7 +148,7 @@ def _hla2_decayed(q, k, v, g, *, chunk_size, masked, normalize, eps, ridge, stat
     cross term k k^T C_(t-1) not), every chunk at once; the same result as the decayed
     `reference.hla2.chunked`, whose docstring derives it. Per chunk, with (S, C, m, G, h)
     carried in, W = L * (Q K^T), B = (K Q^T) strictly lower, Gamma[t, s] = g^(t-s) [s <= t],
-    Gamma'[t, s] = g^(t-1-s) [s < t], tail_s = g^(len-s), tail1 = tail / g:
+    Gamma'[t, s] = g^(t-1-s) [s < t], tail_s = g^(len-s), tail1_s = g^(len-1-s):
         o = diag(g^t) (diag(g^t) Q S C - Q G + l Q C) + KW (K C) + M V,
         KW = (Q K^T) * (diag(g^t) Gamma - g^(t-1) L),
         M = (diag(g^t) Q S Q^T + l Q Q^T) * Gamma + ((W * Gamma) K Q^T) * Gamma - (W B) * Gamma'
@@ -243,11 +241,7 @@ class _Weights:
 
 def _gamma(decay, q):
     """g [B, H] in q's dtype for `decay` (None, a float, or a tensor [H]); None without decay."""
-    if decay is None:
-        return None
-    from ..reference._common import gamma
-
-    return gamma(decay, q)
+    return None if decay is None else gamma(decay, q)
 
 
 def ahla_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=None, state=None):

@@ -100,10 +100,11 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False):
         (*lead, i, j), r = found
         ie, je = static_extent(sch, i), static_extent(sch, j)
         bits = tvm.DataType(sch.get(block).writes[0].source.dtype).bits
-        shape = tile(ie, je, max(1, lanes * 32 // bits), bits // 8) if ie and je else None
+        per_vector = max(1, lanes * 32 // bits)   # elements of the output's dtype
+        shape = tile(ie, je, per_vector, bits // 8) if ie and je else None
         if shape is None:
             continue
-        rows_choices, cols_choices = tile_choices(ie, je, max(1, lanes * 32 // bits))
+        rows_choices, cols_choices = tile_choices(ie, je, per_vector)
         rows = _factor(sch, rows_choices, shape[0], tunable)
         cols = _factor(sch, cols_choices, shape[1], tunable)
         io, ii = sch.split(i, factors=[None, rows])

@@ -60,10 +60,9 @@ def shared_scratch(sch, func_name):
     """Give every buffer the root block allocates the scope SCOPE (through the first block
     that writes it), but a single value per thread block (written by a block with no loops of
     its own under the thread-block loop, and by no other block: a chunk's total decay) the
-    scope "local": a register of
-    every thread, each computing it (`thread_stages`; TVM 0.27's shared-memory merging failed on
-    such a one-element shared buffer: InternalError, buffer_byte_offsets). Blocks whose scratch
-    nothing reads are removed."""
+    scope "local": a register of every thread, each computing it (`thread_stages`; TVM 0.27's
+    shared-memory merging failed on such a one-element shared buffer: InternalError,
+    buffer_byte_offsets). Blocks whose scratch nothing reads are removed."""
     root = sch.get_sblock("root")
     blocks = _drop_unread(sch, sch.get_child_blocks(root))
     for buf in list(sch.get(root).alloc_buffers):
