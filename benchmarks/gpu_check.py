@@ -16,7 +16,9 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
     python benchmarks/gpu_check.py models [--out DIR]
         (on the GPU machine: TVM's runtime alone) the bundle's compiled models (a tiny HLALM and
         the shipped demo model, `hla-tvm compile --target cuda`) through
-        `hla_tvm.runtime.load(device="cuda")` against their checkpoints in PyTorch.
+        `hla_tvm.runtime.load(device="cuda")` against their checkpoints in PyTorch; then each
+        model's `hla-tvm bundle`, made there, through its generate.py and the C++ app (built by
+        `prepare`), their greedy tokens against PyTorch's.
     python benchmarks/gpu_check.py api [--out DIR] [--device cuda]
         (on a GPU machine with TVM's compiler) `hla()` and `decode_()` on CUDA tensors against
         the float64 reference: the user's path, kernels compiled there on first use.
@@ -184,6 +186,7 @@ def prepare(args):
     pack_tvm_runtime(os.path.dirname(tvm.__file__), os.path.join(bundle, "runtime",
                                                                  "tvm-python.tar.xz"))
     prepare_models(bundle, args.arch)
+    prepare_app(bundle)
     with open(os.path.join(bundle, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(bundle, "**"), recursive=True)
@@ -697,6 +700,81 @@ def prepare_models(bundle, arch):
         print(f"model {name}: {time.time() - t0:.1f} s", flush=True)
 
 
+def prepare_app(bundle):
+    """export/cpp's app, built here against the installed wheel's runtime (the GPU machine may
+    have no CMake), for `models` to run on the bundles it makes there."""
+    import tempfile
+
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        print("no cmake or C++ compiler here: `models` will not run the C++ app", flush=True)
+        return
+    with tempfile.TemporaryDirectory() as build:
+        for cmd in (["cmake", "-S", os.path.join(ROOT, "export", "cpp"), "-B", build,
+                     "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}"],
+                    ["cmake", "--build", build]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        os.makedirs(os.path.join(bundle, "app"), exist_ok=True)
+        app = os.path.join(bundle, "app", "hla_tvm_app")
+        shutil.copy2(os.path.join(build, "hla_tvm_app"), app)
+        subprocess.run(["strip", app], check=False)
+
+
+BUNDLE_PROMPT = [5, 9, 2, 33, 7, 1, 0, 12]   # token ids below every model's vocabulary
+
+
+def _torch_greedy(model, prompt, steps):
+    """`steps` greedy token ids after `prompt` from `model` in float64 on the CPU."""
+    import torch
+
+    with torch.no_grad():
+        m = model.double().cpu()
+        logits, state = m(torch.tensor([prompt]), None)
+        out = []
+        for _ in range(steps):
+            out.append(int(logits[0, -1].argmax()))
+            logits, state = m(torch.tensor([[out[-1]]]), state)
+    return out
+
+
+def bundle_check(bundle_dir, name, model, steps=12):
+    """`hla-tvm bundle` of the compiled model `name`, made here on the GPU machine, and its two
+    programs run here: generate.py (numpy, tvm-ffi and the bundle's runtime) and the C++ app
+    `prepare` built (the bundle's runtime on LD_LIBRARY_PATH), their greedy tokens against
+    PyTorch's (float64). A dict for the report."""
+    import tempfile
+
+    from hla_tvm.bundle import bundle
+
+    row = {"bundle": name}
+    want = _torch_greedy(model, BUNDLE_PROMPT, steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = os.path.join(tmp, name)
+        try:
+            info = bundle(os.path.join(bundle_dir, "models", f"{name}.so"), dest)
+            row["cudart_in_bundle"] = info.get("cudart")
+        except Exception as err:   # (reported, not raised: the other checks go on)
+            row["error"] = f"bundle: {type(err).__name__}: {err}"[-1500:]
+            return row
+        args = [os.path.join(dest, "model.so"), "--prompt", ",".join(map(str, BUNDLE_PROMPT)),
+                "--steps", str(steps)]
+        lib_path = os.pathsep.join(os.path.join(dest, "runtime", p, "lib")
+                                   for p in ("tvm", "tvm_ffi"))
+        app = os.path.join(bundle_dir, "app", "hla_tvm_app")
+        runs = {"script": [sys.executable, os.path.join(dest, "generate.py"), *args]}
+        if os.path.isfile(app):
+            runs["app"] = [app, *args]
+        for what, cmd in runs.items():
+            env = dict(os.environ, LD_LIBRARY_PATH=lib_path + os.pathsep +
+                       os.environ.get("LD_LIBRARY_PATH", ""))
+            run_ = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                                  cwd=dest)
+            got = run_.stdout.split()
+            row[what] = {"tokens_equal": got == [str(t) for t in want], "rc": run_.returncode,
+                         "tokens": " ".join(got), "stderr": run_.stderr.strip()[-800:]}
+    row["want"] = " ".join(map(str, want))
+    return row
+
+
 def model_worker(args):
     """(no torch in this process: TVM's runtime alone) prefill, decode steps and decode speed
     of a compiled model on the GPU; arrays to args.result (.npz)."""
@@ -745,7 +823,7 @@ def _eager_decode(model):
 def models(args):
     """Each compiled model of the bundle, run by `hla_tvm.runtime.load(device="cuda")` in a
     process without torch, against its checkpoint in PyTorch (float64, CPU); decode speed beside
-    PyTorch eager on the same GPU."""
+    PyTorch eager on the same GPU; on a GPU, each model's bundle too (`bundle_check`)."""
     import numpy as np
     import torch
 
@@ -768,6 +846,9 @@ def models(args):
         if run_.returncode:
             rows.append({"model": name, "pass": False, "error": run_.stderr.strip()[-1500:]})
             print(json.dumps(rows[-1]), flush=True)
+            if args.device == "cuda":
+                rows.append(bundle_check(args.bundle, name, model))
+                print(json.dumps(rows[-1]), flush=True)
             continue
         got = np.load(result)
         with torch.no_grad():
@@ -781,6 +862,9 @@ def models(args):
         rows.append({"model": name, "rel_err": float(err), "pass": bool(err < 1e-3),
                      "decode_tok_s": float(got["tokps"]), "eager_gpu_tok_s": eager})
         print(json.dumps(rows[-1]), flush=True)
+        if args.device == "cuda":
+            rows.append(bundle_check(args.bundle, name, model))
+            print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "models.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

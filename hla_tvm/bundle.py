@@ -2,10 +2,12 @@
 installed. The folder holds:
 
     model.so                      the module, as compiled
+    model.device/                 its device code, for a module compiled for an NVIDIA GPU
     generate.py                   Python generation: numpy + apache-tvm-ffi, no TVM package
     cpp/CMakeLists.txt, main.cc   the C++ app (no Python needed)
     runtime/tvm/lib/libtvm_runtime.so, runtime/tvm/include/
     runtime/tvm_ffi/lib/libtvm_ffi.so, runtime/tvm_ffi/include/
+    runtime/tvm/lib/libtvm_runtime_cuda.so, libcudart.so.13     (NVIDIA GPU modules)
     bundle.json                   what was bundled: model, architecture, runtime versions
     README.md                     how to run it
 
@@ -13,7 +15,11 @@ The runtime libraries are the installed wheels' for a module of this machine's a
 for another one (an aarch64 module built here) they come from `runtime_from`, a folder with the
 target's `tvm/` and `tvm_ffi/` packages, or else from that architecture's apache-tvm and
 apache-tvm-ffi wheels of the installed versions (`fetch_runtime`: pip downloads them once into
-the cache and keeps only the runtime libraries and headers)."""
+the cache and keeps only the runtime libraries and headers). A module for an NVIDIA GPU
+(`hla-tvm compile --target cuda`, where nvcc built its device code into model.device/) gets TVM's
+CUDA runtime and the CUDA runtime library it links to (`device_code.cudart_path`; without one
+here, the machine running the bundle must have it); the GPU machine then needs only the NVIDIA
+driver."""
 from __future__ import annotations
 
 import json
@@ -139,18 +145,18 @@ def bundle(module, out, *, runtime_from=None, force=False, progress=print):
         raise ValueError(f"{out} exists and is not empty (--force replaces it)")
     if meta is None and is_host_arch(arch):   # (compiled before libraries held it) loadable
         meta = load(module).meta
-    if meta is not None and meta.get("device") == "cuda":
-        raise ValueError(f"{module} was compiled for an NVIDIA GPU: bundles hold the CPU "
-                         "runtime only (copy the module with its .device folder to a machine "
-                         "with TVM's CUDA runtime, and load it with device='cuda')")
+    device_code = _device_code(module) if (meta or {}).get("device") == "cuda" else None
     tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
+    if device_code is not None and not os.path.isfile(os.path.join(tvm_root, "lib", CUDA_LIB)):
+        raise ValueError(f"{module} was compiled for an NVIDIA GPU, and the TVM runtime in "
+                         f"{tvm_root} has no CUDA runtime ({CUDA_LIB})")
     # written beside `out`, then swapped in whole: a failure leaves any old bundle as it was
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(dir=parent, prefix=".bundle-")
     os.chmod(stage, 0o755)
     try:
-        info = _write(stage, module, arch, meta, tvm_root, ffi_root)
+        info = _write(stage, module, arch, meta, tvm_root, ffi_root, device_code)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(stage, out)
@@ -159,21 +165,58 @@ def bundle(module, out, *, runtime_from=None, force=False, progress=print):
     return info
 
 
-def _write(out, module, arch, meta, tvm_root, ffi_root):
-    """The bundle's files in the folder `out`; returns its description."""
+CUDA_LIB = "libtvm_runtime_cuda.so"   # TVM's CUDA runtime, beside libtvm_runtime.so
+
+
+def _device_code(module):
+    """The device code folder of the CUDA module at `module` (`device_code.folder_beside`),
+    each file checked against its sha256; ValueError when it is missing or does not match."""
+    from .device_code import folder_beside, read_checked
+
+    folder = folder_beside(module)
+    binaries = sorted(f for f in os.listdir(folder) if f.endswith(".fatbin")) \
+        if os.path.isdir(folder) else []
+    if not binaries:
+        raise ValueError(f"{module} was compiled for an NVIDIA GPU, and its device code is not "
+                         f"beside it ({folder}): compile it again where nvcc (the CUDA toolkit) "
+                         "is installed, which builds it there")
+    for name in binaries:
+        read_checked(os.path.join(folder, name))
+    return folder
+
+
+def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
+    """The bundle's files in the folder `out` (`device_code`: the CUDA module's device code
+    folder, or None); returns its description."""
     from importlib.metadata import version
 
+    from .device_code import cudart_path
+
     shutil.copy2(module, os.path.join(out, "model.so"))
+    cudart = None
+    if device_code is not None:
+        shutil.copytree(device_code, os.path.join(out, "model.device"))
+        lib = os.path.join(out, "runtime", "tvm", "lib")
+        os.makedirs(lib)
+        shutil.copy2(os.path.join(tvm_root, "lib", CUDA_LIB), os.path.join(lib, CUDA_LIB))
+        cudart = cudart_path()
+        if cudart is not None and elf_machine(cudart) == arch:   # found beside it ($ORIGIN)
+            shutil.copy2(cudart, os.path.join(lib, os.path.basename(cudart)))
+        else:
+            cudart = None
     src = export_sources()
     shutil.copytree(os.path.join(src, "cpp"), os.path.join(out, "cpp"),
                     ignore=shutil.ignore_patterns("build*"))
     shutil.copy2(os.path.join(src, "python", "generate.py"), os.path.join(out, "generate.py"))
     for root, lib in ((tvm_root, "libtvm_runtime.so"), (ffi_root, "libtvm_ffi.so")):
         dst = os.path.join(out, "runtime", os.path.basename(root))
-        os.makedirs(os.path.join(dst, "lib"))
+        os.makedirs(os.path.join(dst, "lib"), exist_ok=True)
         shutil.copy2(os.path.join(root, "lib", lib), os.path.join(dst, "lib", lib))
         shutil.copytree(os.path.join(root, "include"), os.path.join(dst, "include"))
     info = {"module": os.path.basename(module), "arch": arch,
+            "device": "cuda" if device_code is not None else "cpu",
+            "gpu": (meta or {}).get("schedules", {}).get("target") if device_code else None,
+            "cudart": cudart is not None,
             "vocab": ((meta or {}).get("config") or {}).get("vocab"),
             "config": (meta or {}).get("config"), "tvm_ffi": version("apache-tvm-ffi")}
     with open(os.path.join(out, "bundle.json"), "w") as f:
@@ -189,9 +232,12 @@ def _readme(info):
     if info["config"] is None:   # (an old module for another architecture: its metadata unread)
         prompt = '--text "def fib(" --steps 200   # or, for a model of token ids: --prompt 5,9,2'
         text = None
+    gpu = info.get("device") == "cuda"
+    where = f"an NVIDIA GPU ({info['gpu']}) in an {info['arch']} Linux machine" if gpu else \
+        f"{info['arch']} Linux"
     return f"""# hla_tvm bundle
 
-`model.so`: a language model compiled by `hla-tvm compile` for {info['arch']} Linux, with what
+`model.so`: a language model compiled by `hla-tvm compile` for {where}, with what
 runs it on a machine that has neither TVM's compiler nor PyTorch. It
 {'generates text (byte-level vocabulary)' if text else 'generates token ids' if text is False
  else 'generates text (--text) if its vocabulary is bytes, else token ids (--prompt)'}.
@@ -204,7 +250,7 @@ python generate.py model.so {prompt}
 ```
 
 `generate.py` loads `runtime/tvm/lib/libtvm_runtime.so` from this folder.
-
+{_gpu_readme(info) if gpu else ""}
 ## C++ (CMake and a C++17 compiler; no Python)
 
 ```
@@ -217,4 +263,22 @@ The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run pat
 elsewhere, put them beside the binary. Both programs take `--temperature T --top-k K --seed S`
 for seeded sampling (greedy by default; the two programs' samplers draw differently) and
 print the prompt and the generated text (--text) or the generated token ids on one line.
+"""
+
+
+def _gpu_readme(info):
+    """The README's words on running a bundle for an NVIDIA GPU."""
+    cudart = ("so is the CUDA runtime it links to (`libcudart.so.13`)"
+              if info.get("cudart") else
+              "the CUDA 13 runtime (`libcudart.so.13`) was not found where the bundle was made: "
+              "install it there (`pip install nvidia-cuda-runtime`, or the CUDA toolkit)")
+    gpu = info["gpu"].replace("cuda-", "") if info.get("gpu") else "the module's architecture"
+    return f"""
+## NVIDIA GPU
+
+Both programs run the model on the first GPU. Its device code (built by nvcc when the model
+was compiled) is in `model.device/`, checked against its sha256 and handed to TVM when the
+module loads, so the GPU machine needs no CUDA toolkit: only the NVIDIA driver
+(`libcuda.so.1`) for a GPU of {gpu} or later. TVM's CUDA runtime (`libtvm_runtime_cuda.so`) is
+in `runtime/tvm/lib/`; {cudart}. Keep `model.device/` beside `model.so`.
 """

@@ -274,9 +274,11 @@ def _bundle(args):
     info = bundle(args.module, args.output, runtime_from=args.runtime_from, force=args.force)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.output)
                 for f in fs)
-    print(f"wrote {args.output} ({info['arch']}, {total / 1e6:.1f} MB): model.so, the TVM "
-          f"runtime libraries, generate.py, the C++ app's source; {args.output}/README.md says "
-          "how to run it")
+    gpu = info["device"] == "cuda"
+    print(f"wrote {args.output} ({info['arch']}{', NVIDIA GPU ' + info['gpu'] if gpu else ''}, "
+          f"{total / 1e6:.1f} MB): model.so{', its device code' if gpu else ''}, the TVM runtime "
+          f"libraries{' (CUDA too)' if gpu else ''}, generate.py, the C++ app's source; "
+          f"{args.output}/README.md says how to run it")
     return 0
 
 
@@ -522,7 +524,9 @@ def build_parser():
 
     u = command("bundle", help="a folder with a compiled module and what runs it without TVM's "
                                "compiler: the runtime libraries, a Python script (numpy + "
-                               "apache-tvm-ffi) and the C++ app's source")
+                               "apache-tvm-ffi) and the C++ app's source; a module for an "
+                               "NVIDIA GPU with its device code and TVM's CUDA runtime (the "
+                               "GPU machine needs only the driver)")
     u.add_argument("module", help="a library written by `hla-tvm compile`")
     u.add_argument("-o", "--output", required=True, metavar="DIR", help="the bundle folder")
     u.add_argument("--runtime-from", default=None, metavar="DIR",

@@ -233,20 +233,33 @@ def serve(folder, arch, *, override=True):
     return hook
 
 
+CUDART = "libcudart.so.13"   # the CUDA runtime TVM 0.27's libtvm_runtime_cuda.so links to
+
+
+def cudart_path():
+    """The path of libcudart.so.13: from the `nvidia` pip packages on sys.path (PyTorch's CUDA
+    builds bring them), else the CUDA toolkit's ($CUDA_HOME, /usr/local/cuda); None when
+    neither has it (the system's library path may still)."""
+    import sys
+
+    dirs = [os.path.join(d, sub) for d in sys.path if d
+            for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib")]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    dirs.append(os.path.join(home, "lib64"))
+    return next((os.path.join(d, CUDART) for d in dirs if os.path.isfile(os.path.join(d, CUDART))),
+                None)
+
+
 def load_cuda_runtime(lib_dir):
     """Load TVM's CUDA runtime (`libtvm_runtime_cuda.so` in `lib_dir`, beside
     libtvm_runtime.so, which must be loaded already) into the process, with the CUDA runtime
-    library it links to (libcudart.so.13: already loaded by PyTorch, else from the NVIDIA wheels
-    or the CUDA toolkit). OSError naming what is missing."""
+    library it links to (libcudart.so.13: already loaded by PyTorch, else `cudart_path`'s, else
+    the system's). OSError naming what is missing."""
     import ctypes
-    import glob
-    import sys
 
-    for pattern in ("nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.13"):
-        found = [p for d in sys.path if d for p in glob.glob(os.path.join(d, pattern))]
-        if found:
-            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
-            break
+    found = cudart_path()
+    if found is not None:
+        ctypes.CDLL(found, mode=ctypes.RTLD_GLOBAL)
     path = os.path.join(lib_dir, "libtvm_runtime_cuda.so")
     if not os.path.isfile(path):
         raise OSError(f"TVM's CUDA runtime is missing: no {path}")

@@ -32,6 +32,25 @@ _COMPILED = {}
 
 
 @pytest.fixture(scope="session")
+def cpp_app(tmp_path_factory):
+    """export/cpp's app, built once per session with CMake against the installed wheel's TVM
+    runtime (tests needing it skip where cmake or a C++ compiler is missing)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("building the C++ app needs cmake and a C++ compiler")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    build = tmp_path_factory.mktemp("cpp_build")
+    subprocess.run(["cmake", "-S", os.path.join(root, "export", "cpp"), "-B", str(build),
+                    f"-DPython_EXECUTABLE={sys.executable}"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return str(build / "hla_tvm_app")
+
+
+@pytest.fixture(scope="session")
 def compiled_lm(tmp_path_factory):
     """get(name, **config) -> (model, path): HLALM(40, 32, 2, 4, chunk_size=16, **config) from
     seed 0, compiled once per session and shared by the test files that need one."""

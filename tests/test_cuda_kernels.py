@@ -256,22 +256,43 @@ def test_shipped_device_code_is_picked_for_the_gpu_architecture(tmp_path, monkey
     assert picked["sm_75"] is None and device_code.shipped_path("// other\n", "sm_90") is None
     assert [open(picked[a], "rb").read() for a in ("sm_86", "sm_90", "sm_100")] == \
         [b"sm_80", b"sm_90", b"sm_90"]
+    # the bundle's script picks as the runtime does
+    gen = _generate_script()
+    assert {a: gen.device_code_for(str(tmp_path), source, int(a[3:])) for a in picked} == picked
 
 
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    """(model, folder): the test model (decayed second order, two layers), its checkpoint ck.pt
+    in `folder` and cli.so, written by `hla-tvm compile --target cuda --arch sm_90` with its
+    device code beside it (cli.device/)."""
+    import torch
+
+    from hla_tvm.cli import main
+    from hla_tvm.models import HLALM
+
+    if nvcc() is None:
+        pytest.skip("nvcc (the CUDA toolkit) is not installed")
+    torch.manual_seed(0)
+    model = HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99])
+    folder = tmp_path_factory.mktemp("gpu_model")
+    model.save(folder / "ck.pt")
+    assert main(["compile", str(folder / "ck.pt"), "--target", "cuda", "--arch", "sm_90",
+                 "-o", str(folder / "cli.so")]) == 0
+    return model, folder
+
+
+@pytest.mark.xdist_group("gpu_model")   # (one worker compiles it)
 @pytest.mark.skipif(nvcc() is None, reason="nvcc (the CUDA toolkit) is not installed")
-def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch, capsys):
+def test_the_test_model_compiles_for_sm80_and_sm90(gpu_model, monkeypatch, capsys):
     """A whole HLALM (decayed second order, two layers) for both architectures: the library
     holds its HLA kernel's CUDA source with the model's other functions, that source builds to
     device code for the architecture, and a CPU-only runtime refuses it with a clear word."""
-    import torch
-
     from hla_tvm import compiler
     from hla_tvm.cli import main
-    from hla_tvm.models import HLALM
     from hla_tvm.runtime import load
 
-    torch.manual_seed(0)
-    model = HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99])
+    model, tmp_path = gpu_model
     chain = chains.prefill("hla2d")
     for arch in ("sm_80", "sm_90"):
         tgt = resolve({"kind": "cuda", "arch": arch})
@@ -291,19 +312,14 @@ def test_the_test_model_compiles_for_sm80_and_sm90(tmp_path, monkeypatch, capsys
             assert name.encode() in binary, (arch, name)
     # the command line (hla_tvm.compile) spells the architecture apart; a CPU-only runtime
     # refuses the library with a clear word
-    model.save(tmp_path / "ck.pt")
     assert main(["compile", str(tmp_path / "ck.pt"), "--arch", "sm_90"]) == 2
-    assert main(["compile", str(tmp_path / "ck.pt"), "--target", "cuda", "--arch", "sm_90",
-                 "-o", str(tmp_path / "cli.so")]) == 0
     with pytest.raises(ValueError, match="compiled for an NVIDIA GPU"):
         load(tmp_path / "cli.so")
-    # described without a GPU (read from the library, not loaded); a bundle refuses it plainly
+    # described without a GPU (read from the library, not loaded)
     capsys.readouterr()
     assert main(["run", str(tmp_path / "cli.so"), "--info"]) == 0
     info = capsys.readouterr().out
     assert "runs on: an NVIDIA GPU" in info and "cuda-sm_90" in info, info
-    assert main(["bundle", str(tmp_path / "cli.so"), "-o", str(tmp_path / "b")]) == 2
-    assert "compiled for an NVIDIA GPU" in capsys.readouterr().err
     # its device code was written beside it, for the module's own source; a GPU machine
     # without nvcc is served it (and refuses a module whose device code is not there)
     shipped = os.listdir(tmp_path / "cli.device")
@@ -333,8 +349,91 @@ def _served_without_nvcc(tmp_path, source, monkeypatch):
             f.write(b"!")
         with pytest.raises(ValueError, match="does not match its checksum"):
             hook(source)
+        with open(shipped, "r+b") as f:   # restored, for the bundle test
+            f.truncate(len(binary))
     finally:
         _restore_hook(before)
+
+
+def _generate_script():
+    """export/python/generate.py, imported as a module."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "hla_generate", os.path.join(root, "export", "python", "generate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _has_nvidia_driver():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.xdist_group("gpu_model")
+def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
+        gpu_model, cpp_app, tmp_path, capsys):
+    """`hla-tvm bundle` of a module compiled for a GPU: the module, its device code (checked),
+    TVM's CUDA runtime; the bundle's script and C++ app pick the device code by the source's
+    sha256 and the GPU's architecture (as `hla_tvm.device_code` does), refuse altered device
+    code, and without a GPU or a driver say so. (On a GPU: `benchmarks/gpu_check.py models`.)"""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from hla_tvm.cli import main
+
+    _, folder = gpu_model
+    out = tmp_path / "b"
+    assert main(["bundle", str(folder / "cli.so"), "-o", str(out)]) == 0
+    assert "NVIDIA GPU cuda-sm_90" in capsys.readouterr().out
+    (fatbin,) = [f for f in os.listdir(out / "model.device") if f.endswith(".fatbin")]
+    assert sorted(os.listdir(out / "model.device")) == [fatbin, fatbin + ".sha256"]
+    assert (out / "runtime" / "tvm" / "lib" / "libtvm_runtime_cuda.so").is_file()
+    info = json.loads((out / "bundle.json").read_text())
+    assert (info["device"], info["gpu"]) == ("cuda", "cuda-sm_90")
+    assert "NVIDIA driver" in (out / "README.md").read_text()
+    # the device code is picked as the runtime picks it (sm_90 and later GPUs), and checked
+    gen = _generate_script()
+    source = "// not this module's source\n"
+    assert gen.device_code_for(str(out / "model.device"), source, 90) is None
+    digest = fatbin.split("-")[0]
+    shutil.copy(out / "model.device" / fatbin, tmp_path / f"{digest}-sm_80-sm_90.fatbin")
+    assert gen.device_code_for(str(tmp_path), "x", 90) is None
+    # without a driver here: each program says what is missing; altered device code is refused
+    # (the C++ app checks it with its own sha256 before anything loads)
+    script = [sys.executable, str(out / "generate.py"), str(out / "model.so"), "--prompt", "3,4"]
+    app = [cpp_app, str(out / "model.so"), "--prompt", "3,4"]
+    if not _has_nvidia_driver():
+        for cmd, rc in ((script, 2), (app, 1)):
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert run.returncode == rc and "NVIDIA driver (libcuda.so.1)" in run.stderr, \
+                run.stderr
+    with open(out / "model.device" / fatbin, "ab") as f:
+        f.write(b"!")
+    for cmd, rc in ((script, 2), (app, 1)):
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert run.returncode == rc and "does not match its checksum" in run.stderr, run.stderr
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        gen.read_checked(str(out / "model.device" / fatbin))
+    # a module whose device code is not beside it: refused by the bundle and both programs
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(folder / "cli.so", bare / "m.so")
+    assert main(["bundle", str(bare / "m.so"), "-o", str(tmp_path / "b2")]) == 2
+    assert "device code is not beside it" in capsys.readouterr().err
+    for cmd, rc in (([sys.executable, str(out / "generate.py"), str(bare / "m.so"), "--prompt",
+                      "3"], 2), ([cpp_app, str(bare / "m.so"), "--prompt", "3"], 1)):
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert run.returncode == rc and "is not beside it" in run.stderr, run.stderr
 
 
 def test_second_order_prefills_through_the_scan_chain_on_gpus():

@@ -22,14 +22,8 @@ needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    import sys
-
-    build = tmp_path_factory.mktemp("cpp_build")
-    subprocess.run(["cmake", "-S", os.path.join(ROOT, "export", "cpp"), "-B", str(build),
-                    f"-DPython_EXECUTABLE={sys.executable}"], check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return str(build / "hla_tvm_app")
+def app(cpp_app):
+    return cpp_app
 
 
 @pytest.fixture(scope="module")

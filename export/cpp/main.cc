@@ -10,6 +10,14 @@
 //   decode(tokens [1] int64, *state)     -> (logits [1, vocab], *state)
 // and hla_tvm_meta() -> uint8 JSON with the state layout ("state": [[name, shape, dtype]..])
 // and the model config ("config": {"vocab": "bytes", ...} for byte-level models).
+//
+// A module compiled for an NVIDIA GPU (`hla-tvm compile --target cuda`) has its device code in a
+// folder beside it (model.so -> model.device/, files <sha256 of the CUDA source>-sm_XX.fatbin
+// with their .sha256, as `hla_tvm.device_code` writes them): the app then runs it on the first
+// GPU, loading TVM's CUDA runtime (libtvm_runtime_cuda.so beside libtvm_runtime.so; it needs
+// libcudart.so.13 and the NVIDIA driver) and serving that device code to TVM when the module
+// loads (no CUDA toolkit needed).
+#include <dlfcn.h>
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
@@ -17,14 +25,19 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/container/tensor.h>
+#include <tvm/runtime/c_backend_api.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <limits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <random>
 #include <sstream>
@@ -136,8 +149,184 @@ struct AlignedAlloc {
   void FreeData(DLTensor* t) { std::free(t->data); }
 };
 
-Tensor Empty(const std::vector<int64_t>& shape, DLDataType dtype) {
-  return Tensor::FromNDAlloc(AlignedAlloc(), ffi::Shape(shape), dtype, DLDevice{kDLCPU, 0});
+// The bytes of the file at `path`.
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error(path + ": cannot be read");
+  std::ostringstream out;
+  out << f.rdbuf();
+  return out.str();
+}
+
+// SHA-256 (FIPS 180-4) of `data`, as 64 lowercase hex digits.
+std::string Sha256Hex(const std::string& data) {
+  static const uint32_t k[64] = {
+      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+      0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+      0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+      0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+      0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+      0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+      0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+      0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+      0xc67178f2};
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
+  std::string msg = data;   // padded: a 1 bit, zeros, the length in bits (big-endian)
+  msg.push_back(static_cast<char>(0x80));
+  while (msg.size() % 64 != 56) msg.push_back('\0');
+  uint64_t bits = static_cast<uint64_t>(data.size()) * 8;
+  for (int i = 7; i >= 0; --i) msg.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+  for (size_t block = 0; block < msg.size(); block += 64) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i) {
+      const unsigned char* p = reinterpret_cast<const unsigned char*>(msg.data()) + block + 4 * i;
+      w[i] = (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | p[3];
+    }
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] +
+                    w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    uint32_t add[8] = {a, b, c, d, e, f, g, hh};
+    for (int i = 0; i < 8; ++i) h[i] += add[i];
+  }
+  std::ostringstream hex;
+  for (uint32_t v : h) hex << std::hex << std::setw(8) << std::setfill('0') << v;
+  return hex.str();
+}
+
+// Where `hla-tvm compile` puts a CUDA module's device code: model.so -> model.device.
+std::string DeviceCodeFolder(const std::string& module) {
+  size_t n = module.size();
+  bool so = n > 3 && module.compare(n - 3, 3, ".so") == 0;
+  return (so ? module.substr(0, n - 3) : module) + ".device";
+}
+
+// The device code at `path`, refused unless it matches the sha256 kept beside it.
+std::string ReadChecked(const std::string& path) {
+  std::string data = ReadFile(path);
+  std::ifstream f(path + ".sha256");
+  std::string want;
+  if (!(f >> want)) throw std::runtime_error(path + ": device code without its checksum file");
+  if (Sha256Hex(data) != want) {
+    throw std::runtime_error(path + ": the device code does not match its checksum (truncated "
+                             "or altered); copy the module's .device folder again");
+  }
+  return data;
+}
+
+// 90 for "sm_90" or "sm_90a"; -1 for other text.
+int ArchNumber(const std::string& name) {
+  if (name.compare(0, 3, "sm_") != 0) return -1;
+  std::string digits;
+  for (char c : name.substr(3)) {
+    if (std::isdigit(static_cast<unsigned char>(c))) digits.push_back(c);
+  }
+  return digits.empty() ? -1 : std::stoi(digits);
+}
+
+// The device code in `folder` for CUDA `source` on a GPU of compute capability `arch` (90):
+// of the files <sha256 of source>-<sm_XX[-sm_YY]>.fatbin, the one built for the newest
+// architecture not above `arch` (its PTX serves later GPUs); "" when there is none.
+std::string DeviceCodeFor(const std::string& folder, const std::string& source, int arch) {
+  std::string prefix = Sha256Hex(source) + "-", best;
+  int best_arch = -1;
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+    std::string name = entry.path().filename().string();
+    const std::string ext = ".fatbin";
+    if (name.size() <= prefix.size() + ext.size() || name.compare(0, prefix.size(), prefix) ||
+        name.compare(name.size() - ext.size(), ext.size(), ext)) {
+      continue;
+    }
+    std::stringstream archs(name.substr(prefix.size(), name.size() - prefix.size() - ext.size()));
+    for (std::string a; std::getline(archs, a, '-');) {
+      int built = ArchNumber(a);
+      if (built >= 0 && built <= arch && built > best_arch) {
+        best_arch = built;
+        best = entry.path().string();
+      }
+    }
+  }
+  return best;
+}
+
+// The first GPU, with TVM's CUDA runtime loaded from beside libtvm_runtime.so and a
+// `tvm_callback_cuda_compile` hook serving the device code in `folder` (TVM calls it with the
+// module's CUDA source when the module loads). Every device code file is checked first.
+DLDevice CudaDevice(const std::string& folder) {
+  for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+    if (entry.path().extension() == ".fatbin") ReadChecked(entry.path().string());
+  }
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&TVMBackendAllocWorkspace), &info) || !info.dli_fname) {
+    throw std::runtime_error("cannot tell where libtvm_runtime.so was loaded from");
+  }
+  std::string lib = std::filesystem::path(info.dli_fname).parent_path() / "libtvm_runtime_cuda.so";
+  if (!dlopen(lib.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+    throw std::runtime_error(std::string("TVM's CUDA runtime does not load (") + dlerror() +
+                             "); a module for an NVIDIA GPU needs the NVIDIA driver "
+                             "(libcuda.so.1) and the CUDA 13 runtime (libcudart.so.13)");
+  }
+  ffi::Function attr = ffi::Function::GetGlobalRequired("runtime.GetDeviceAttr");
+  if (attr(static_cast<int>(kDLCUDA), 0, 0).cast<int64_t>() == 0) {   // kExist
+    throw std::runtime_error("no NVIDIA GPU is visible to this process");
+  }
+  std::string version = attr(static_cast<int>(kDLCUDA), 0, 4).cast<ffi::String>();  // "9.0"
+  int arch = ArchNumber("sm_" + version.substr(0, version.find('.')) +
+                        version.substr(version.find('.') + 1));
+  auto hook = [folder, arch](ffi::String source) -> ffi::Bytes {
+    std::string path = DeviceCodeFor(folder, std::string(source), arch);
+    if (path.empty()) {
+      throw std::runtime_error("no device code for this module and an sm_" +
+                               std::to_string(arch) + " GPU in " + folder);
+    }
+    return ffi::Bytes(ReadChecked(path));
+  };
+  ffi::Function::SetGlobal("tvm_callback_cuda_compile", ffi::Function::FromTyped(hook), true);
+  return DLDevice{kDLCUDA, 0};
+}
+
+// A tensor of `shape` on `dev` holding `bytes` (zeros when null): host memory 64-byte aligned,
+// device memory from TVM's runtime (its global functions, as TVM's Python tensors use them).
+Tensor Put(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice dev,
+           const void* bytes = nullptr) {
+  if (dev.device_type == kDLCPU) {
+    Tensor t = Tensor::FromNDAlloc(AlignedAlloc(), ffi::Shape(shape), dtype, dev);   // zeros
+    if (bytes) std::memcpy(t.data_ptr(), bytes, ffi::GetDataSize(*t.GetDLTensorPtr()));
+    return t;
+  }
+  static const ffi::Function alloc =
+      ffi::Function::GetGlobalRequired("runtime.TVMTensorAllocWithScope");
+  static const ffi::Function copy = ffi::Function::GetGlobalRequired(
+      "runtime.TVMTensorCopyFromBytes");
+  Tensor t = alloc(ffi::Shape(shape), dtype, dev, ffi::Optional<ffi::String>()).cast<Tensor>();
+  size_t n = ffi::GetDataSize(*t.GetDLTensorPtr());
+  std::vector<char> zeros(bytes ? 0 : n);
+  copy(t, const_cast<void*>(bytes ? bytes : zeros.data()), static_cast<int64_t>(n));
+  return t;
+}
+
+// The bytes of the contiguous tensor `t`, copied to the host.
+std::vector<char> Get(const Tensor& t) {
+  std::vector<char> out(ffi::GetDataSize(*t.GetDLTensorPtr()));
+  if (t.device().device_type == kDLCPU) {
+    std::memcpy(out.data(), static_cast<const char*>(t.data_ptr()) + t.byte_offset(), out.size());
+  } else {
+    static const ffi::Function copy =
+        ffi::Function::GetGlobalRequired("runtime.TVMTensorCopyToBytes");
+    copy(t, static_cast<void*>(out.data()), static_cast<int64_t>(out.size()));
+  }
+  return out;
 }
 
 DLDataType ParseDType(const std::string& s) {
@@ -146,7 +335,20 @@ DLDataType ParseDType(const std::string& s) {
   throw std::runtime_error("state dtype " + s + " is not supported by this app");
 }
 
+// The library at `path`; a module for a GPU without its device code `folder` is refused plainly.
+ffi::Module Load(const std::string& path, const std::string& folder) {
+  try {
+    // (absolute: a bare file name would be looked for on the library path)
+    return ffi::Module::LoadFromFile(std::filesystem::absolute(path).string());
+  } catch (const std::exception& err) {
+    if (std::string(err.what()).find("load_from_bytes.cuda") == std::string::npos) throw;
+    throw std::runtime_error(path + " was compiled for an NVIDIA GPU, but its device code (" +
+                             folder + ") is not beside it: copy that folder along");
+  }
+}
+
 struct Model {
+  DLDevice dev{kDLCPU, 0};
   ffi::Optional<ffi::Module> vm_;
   ffi::Function prefill, decode;
   std::vector<Tensor> state;
@@ -155,22 +357,29 @@ struct Model {
   bool bytes = false;  // byte-level vocabulary (config "vocab": "bytes")
 
   explicit Model(const std::string& path) {
-    ffi::Module lib = ffi::Module::LoadFromFile(path);
+    std::string folder = DeviceCodeFolder(path);
+    if (std::filesystem::is_directory(folder)) dev = CudaDevice(folder);
+    ffi::Module lib = Load(path, folder);
     ffi::Module vm = lib->GetFunction("vm_load_executable").value()().cast<ffi::Module>();
     vm_ = vm;
-    // one CPU device, pooled allocator (as tvm.relax.VirtualMachine does)
-    vm->GetFunction("vm_initialization").value()(static_cast<int>(kDLCPU), 0, 2);
-    Tensor raw = vm->GetFunction("hla_tvm_meta").value()().cast<Tensor>();
-    std::string text(static_cast<const char*>(raw.data_ptr()) + raw.byte_offset(), raw.size(0));
+    // the device (and the host for a GPU's shape computations), pooled allocator (as
+    // tvm.relax.VirtualMachine does)
+    ffi::Function init = vm->GetFunction("vm_initialization").value();
+    if (dev.device_type == kDLCPU) {
+      init(static_cast<int>(kDLCPU), 0, 2);
+    } else {
+      init(static_cast<int>(dev.device_type), dev.device_id, 2, static_cast<int>(kDLCPU), 0, 2);
+    }
+    std::vector<char> text = Get(vm->GetFunction("hla_tvm_meta").value()().cast<Tensor>());
     ffi::String error;
-    ffi::json::Value parsed = ffi::json::Parse(text, &error);
+    ffi::json::Value parsed = ffi::json::Parse(std::string(text.begin(), text.end()), &error);
     if (!error.empty()) throw std::runtime_error("module metadata: " + std::string(error));
     ffi::json::Object meta = parsed.cast<ffi::json::Object>();
     for (const ffi::Any& entry : meta.at("state").cast<ffi::json::Array>()) {
       auto e = entry.cast<ffi::json::Array>();
       std::vector<int64_t> shape{1};
       for (const ffi::Any& d : e[1].cast<ffi::json::Array>()) shape.push_back(d.cast<int64_t>());
-      state.push_back(Empty(shape, ParseDType(e[2].cast<ffi::String>())));   // zeros
+      state.push_back(Put(shape, ParseDType(e[2].cast<ffi::String>()), dev));   // zeros
     }
     if (meta.count("vocab_size") && meta.at("vocab_size") != nullptr) {
       vocab = meta.at("vocab_size").cast<int64_t>();
@@ -192,8 +401,7 @@ struct Model {
                          bool two_d) {
     std::vector<int64_t> shape = two_d ? std::vector<int64_t>{1, (int64_t)tokens.size()}
                                        : std::vector<int64_t>{1};
-    Tensor tok = Empty(shape, DLDataType{kDLInt, 64, 1});
-    std::memcpy(tok.data_ptr(), tokens.data(), tokens.size() * sizeof(int64_t));
+    Tensor tok = Put(shape, DLDataType{kDLInt, 64, 1}, dev, tokens.data());
     std::vector<ffi::AnyView> args;
     args.push_back(tok);
     for (const Tensor& s : state) args.push_back(s);
@@ -209,9 +417,8 @@ struct Model {
     int64_t v = logits.size(logits.ndim() - 1);
     int64_t rows = 1;
     for (int i = 0; i < logits.ndim() - 1; ++i) rows *= logits.size(i);
-    const float* data = reinterpret_cast<const float*>(
-                            static_cast<const char*>(logits.data_ptr()) +
-                            logits.byte_offset()) + (rows - 1) * v;
+    std::vector<char> bytes = Get(logits);
+    const float* data = reinterpret_cast<const float*>(bytes.data()) + (rows - 1) * v;
     return std::vector<float>(data, data + v);
   }
 

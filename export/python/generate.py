@@ -10,6 +10,12 @@ for --text the prompt and the generated text. libtvm_runtime.so is found at --ru
 $TVM_RUNTIME_LIB, else runtime/tvm/lib/ beside this script (a bundle from `hla-tvm bundle`),
 else in the installed `tvm` package (found, not imported).
 
+A module compiled for an NVIDIA GPU (`hla-tvm compile --target cuda`) has its device code in a
+folder beside it (model.so -> model.device/, `hla_tvm.device_code`): the script then runs it on
+the first GPU, loading TVM's CUDA runtime (libtvm_runtime_cuda.so beside libtvm_runtime.so, with
+libcudart.so.13 beside it, in the `nvidia` pip packages or on the library path, and the NVIDIA
+driver) and serving that device code to TVM when the module loads (no CUDA toolkit needed).
+
 The module's entry points: prefill(tokens [1, T] int64, *state) -> (logits [1, T, vocab],
 *state) for T >= 2, decode(tokens [1] int64, *state) -> (logits [1, vocab], *state), and
 hla_tvm_meta() -> the JSON metadata ("state": [[name, shape without batch, dtype], ...],
@@ -17,6 +23,8 @@ hla_tvm_meta() -> the JSON metadata ("state": [[name, shape without batch, dtype
 import argparse
 import codecs
 import ctypes
+import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,6 +33,8 @@ import sys
 import numpy as np
 
 ALIGN = 64   # TVM's kernels assume 64-byte aligned tensors
+KDL_CPU, KDL_CUDA = 1, 2   # DLPack device types
+POOLED = 2                 # the virtual machine's pooled allocator
 
 
 def runtime_library(given=None):
@@ -56,33 +66,160 @@ def aligned(array):
     return out
 
 
-def load(path, runtime_lib=None):
-    """(virtual machine module, metadata dict) of the compiled module at `path`."""
-    import tvm_ffi   # first: loads libtvm_ffi.so, which libtvm_runtime.so links to
-
-    ctypes.CDLL(runtime_library(runtime_lib), mode=ctypes.RTLD_GLOBAL)
-
-    vm = tvm_ffi.load_module(path)["vm_load_executable"]()
-    vm["vm_initialization"](1, 0, 2)   # kDLCPU, device 0, pooled allocator
-    meta = json.loads(bytes(np.from_dlpack(vm["hla_tvm_meta"]())).decode())
-    return vm, meta
+def device_code_folder(module):
+    """Where `hla-tvm compile` puts a CUDA module's device code: model.so -> model.device."""
+    root, ext = os.path.splitext(module)
+    return (root if ext == ".so" else module) + ".device"
 
 
-def generate(vm, meta, prompt, steps, temperature=0.0, top_k=0, seed=0, on_token=None):
-    """`steps` token ids following `prompt`: greedy, or sampled at `temperature` from the
-    `top_k` most likely (0: all) with a seeded generator."""
+def _arch_number(name):
+    """90 for "sm_90" or "sm_90a", None for other text."""
+    digits = "".join(c for c in name[3:] if c.isdigit()) if name.startswith("sm_") else ""
+    return int(digits) if digits else None
+
+
+def read_checked(path):
+    """The bytes of the device code at `path`; ValueError unless they match the sha256 kept
+    beside them (path + ".sha256")."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        with open(path + ".sha256", "rb") as f:
+            want = f.read().decode("ascii", "replace").strip()
+    except OSError:
+        raise ValueError(f"{path}: device code without its checksum file") from None
+    if hashlib.sha256(data).hexdigest() != want:
+        raise ValueError(f"{path}: the device code does not match its checksum (truncated or "
+                         "altered); copy the module's .device folder again")
+    return data
+
+
+def device_code_for(folder, source, arch):
+    """The path of the device code in `folder` for CUDA `source` on a GPU of compute capability
+    `arch` (90 for sm_90): files are named <sha256 of the source>-<sm_XX[-sm_YY]>.fatbin; the one
+    built for the newest architecture not above `arch` (its PTX serves later GPUs). None when
+    there is none."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    best = None
+    for path in glob.glob(os.path.join(glob.escape(folder), digest + "-*.fatbin")):
+        built = os.path.basename(path)[len(digest) + 1:-len(".fatbin")].split("-")
+        fits = [b for b in map(_arch_number, built) if b is not None and b <= arch]
+        if fits and (best is None or max(fits) > best[0]):
+            best = (max(fits), path)
+    return None if best is None else best[1]
+
+
+def cuda_device(runtime_lib, folder):
+    """The first GPU (a tvm_ffi device), with TVM's CUDA runtime loaded from beside
+    `runtime_lib` and a `tvm_callback_cuda_compile` hook serving the device code in `folder`
+    (TVM calls it with the module's CUDA source when the module loads). OSError when the CUDA
+    runtime, the driver or a GPU is missing."""
     import tvm_ffi
 
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.fatbin")):
+        read_checked(path)   # every file checked before anything runs
+    lib_dir = os.path.dirname(runtime_lib)
+    for pattern in ("libcudart.so.13", "nvidia/cu13/lib/libcudart.so.13",
+                    "nvidia/cuda_runtime/lib/libcudart.so.13"):
+        found = [p for d in [lib_dir] + sys.path if d for p in glob.glob(os.path.join(d, pattern))]
+        if found:
+            ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+            break
+    try:
+        ctypes.CDLL(os.path.join(lib_dir, "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise OSError(f"TVM's CUDA runtime does not load ({err}); a module for an NVIDIA GPU "
+                      "needs the NVIDIA driver (libcuda.so.1) and the CUDA 13 runtime "
+                      "(libcudart.so.13)") from None
+    attr = tvm_ffi.get_global_func("runtime.GetDeviceAttr")
+    if not attr(KDL_CUDA, 0, 0):   # kExist
+        raise OSError("no NVIDIA GPU is visible to this process")
+    major, _, minor = str(attr(KDL_CUDA, 0, 4)).partition(".")   # kComputeVersion: "9.0"
+    arch = int(major + minor)
+
+    def hook(source, *_):
+        path = device_code_for(folder, source, arch)
+        if path is None:
+            raise ValueError(f"no device code for this module and an sm_{arch} GPU in {folder}")
+        return read_checked(path)
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", hook, override=True)
+    return tvm_ffi.device("cuda", 0)
+
+
+class Tensors:
+    """Arrays to and from the module's device: on the CPU through DLPack (64-byte aligned
+    copies), on a GPU through TVM's runtime (allocation and copies by bytes)."""
+
+    def __init__(self, device):
+        import tvm_ffi
+
+        self.device = device
+        self.gpu = device.dlpack_device_type() == KDL_CUDA
+        if self.gpu:
+            get = tvm_ffi.get_global_func
+            self._alloc = get("runtime.TVMTensorAllocWithScope")
+            self._to, self._from = (get("runtime.TVMTensorCopyFromBytes"),
+                                    get("runtime.TVMTensorCopyToBytes"))
+
+    def put(self, array):
+        import tvm_ffi
+
+        array = np.ascontiguousarray(array)
+        if not self.gpu:
+            return tvm_ffi.from_dlpack(aligned(array))
+        out = self._alloc(tvm_ffi.Shape(array.shape), tvm_ffi.dtype(str(array.dtype)),
+                          self.device, None)
+        self._to(out, ctypes.c_void_p(array.ctypes.data), array.nbytes)
+        return out
+
+    def get(self, tensor):
+        if not self.gpu:
+            return np.from_dlpack(tensor)
+        out = np.empty(tuple(tensor.shape), dtype=str(tensor.dtype))
+        self._from(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
+        return out
+
+
+def load(path, runtime_lib=None):
+    """(virtual machine module, metadata dict, Tensors of its device) of the compiled module at
+    `path`: on the first GPU when its device code lies beside it (`device_code_folder`)."""
+    import tvm_ffi   # first: loads libtvm_ffi.so, which libtvm_runtime.so links to
+
+    path = os.path.abspath(path)   # (a bare file name would be looked for on the library path)
+    lib = runtime_library(runtime_lib)
+    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    folder = device_code_folder(path)
+    device = cuda_device(lib, folder) if os.path.isdir(folder) else tvm_ffi.device("cpu", 0)
+    try:
+        vm = tvm_ffi.load_module(path)["vm_load_executable"]()
+    except Exception as err:   # (tvm_ffi raises its own error types)
+        if "load_from_bytes.cuda" in str(err):
+            raise ValueError(f"{path} was compiled for an NVIDIA GPU, but its device code "
+                             f"({folder}) is not beside it: copy that folder along") from None
+        raise
+    init = [device.dlpack_device_type(), device.index, POOLED]
+    if init[0] != KDL_CPU:
+        init += [KDL_CPU, 0, POOLED]   # the host, for the model's shape computations
+    vm["vm_initialization"](*init)
+    meta = json.loads(bytes(np.from_dlpack(vm["hla_tvm_meta"]())).decode())
+    return vm, meta, Tensors(device)
+
+
+def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
+             on_token=None):
+    """`steps` token ids following `prompt`: greedy, or sampled at `temperature` from the
+    `top_k` most likely (0: all) with a seeded generator; `tensors` (a `Tensors`) moves arrays
+    to and from the module's device."""
     rng = np.random.default_rng(seed)
-    state = [tvm_ffi.from_dlpack(aligned(np.zeros((1, *shape), dtype=dtype)))
-             for _, shape, dtype in meta["state"]]
+    state = [tensors.put(np.zeros((1, *shape), dtype=dtype)) for _, shape, dtype in meta["state"]]
     entries = meta.get("entries", ["prefill", "decode"])
 
     def run(entry, tokens):
         nonlocal state
-        out = list(vm[entry](tvm_ffi.from_dlpack(aligned(tokens)), *state))
+        out = list(vm[entry](tensors.put(tokens), *state))
         state = out[1:]
-        logits = np.from_dlpack(out[0])
+        logits = tensors.get(out[0])
         return logits.reshape(-1, logits.shape[-1])[-1].astype(np.float64)
 
     if len(prompt) >= 2 and "prefill" in entries:   # the prefill entry takes T >= 2
@@ -131,7 +268,7 @@ def main(argv=None):
     if args.steps < 1 or not args.temperature >= 0 or args.top_k < 0 or min(prompt) < 0:
         p.error("--steps must be positive, --temperature and --top-k >= 0, ids >= 0")
     try:
-        vm, meta = load(args.module, args.runtime_lib)
+        vm, meta, tensors = load(args.module, args.runtime_lib)
     except (OSError, ValueError) as err:
         p.error(f"cannot load {args.module}: {err}")
     vocab = meta.get("vocab_size")
@@ -142,11 +279,11 @@ def main(argv=None):
             p.error("--text needs a byte-level model; give --prompt ids")
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(args.text)
-        generate(vm, meta, prompt, args.steps, args.temperature, args.top_k, args.seed,
+        generate(vm, meta, tensors, prompt, args.steps, args.temperature, args.top_k, args.seed,
                  on_token=lambda t: (sys.stdout.write(dec.decode(bytes([t]))), sys.stdout.flush()))
         sys.stdout.write(dec.decode(b"", final=True) + "\n")
         return 0
-    print(" ".join(map(str, generate(vm, meta, prompt, args.steps, args.temperature,
+    print(" ".join(map(str, generate(vm, meta, tensors, prompt, args.steps, args.temperature,
                                      args.top_k, args.seed))))
     return 0
 
