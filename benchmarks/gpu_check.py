@@ -763,11 +763,17 @@ def bundle_check(bundle_dir, name, model, steps=12):
         runs = {"script": [sys.executable, os.path.join(dest, "generate.py"), *args]}
         if os.path.isfile(app):
             runs["app"] = [app, *args]
+        else:
+            row["app"] = f"not run: no {app} (`prepare` builds it where cmake is installed)"
+        env = dict(os.environ, LD_LIBRARY_PATH=lib_path + os.pathsep +
+                   os.environ.get("LD_LIBRARY_PATH", ""))
         for what, cmd in runs.items():
-            env = dict(os.environ, LD_LIBRARY_PATH=lib_path + os.pathsep +
-                       os.environ.get("LD_LIBRARY_PATH", ""))
-            run_ = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                                  cwd=dest)
+            try:
+                run_ = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                                      cwd=dest)
+            except subprocess.TimeoutExpired:
+                row[what] = {"tokens_equal": False, "error": "timed out after 300 s"}
+                continue
             got = run_.stdout.split()
             row[what] = {"tokens_equal": got == [str(t) for t in want], "rc": run_.returncode,
                          "tokens": " ".join(got), "stderr": run_.stderr.strip()[-800:]}

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import textwrap
 
 from .target import is_host_arch
 
@@ -233,6 +234,12 @@ def _readme(info):
         prompt = '--text "def fib(" --steps 200   # or, for a model of token ids: --prompt 5,9,2'
         text = None
     gpu = info.get("device") == "cuda"
+    libs = ("The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run path); "
+            "copied elsewhere, put them beside the binary"
+            + (" (with `libtvm_runtime_cuda.so` and `libcudart.so.13`)" if gpu else "")
+            + ". Both programs take `--temperature T --top-k K --seed S` for seeded sampling "
+            "(greedy by default; the two programs' samplers draw differently) and print the "
+            "prompt and the generated text (--text) or the generated token ids on one line.")
     where = f"an NVIDIA GPU ({info['gpu']}) in an {info['arch']} Linux machine" if gpu else \
         f"{info['arch']} Linux"
     return f"""# hla_tvm bundle
@@ -259,26 +266,21 @@ cmake --build build
 build/hla_tvm_app model.so {prompt}
 ```
 
-The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run path); copied
-elsewhere, put them beside the binary. Both programs take `--temperature T --top-k K --seed S`
-for seeded sampling (greedy by default; the two programs' samplers draw differently) and
-print the prompt and the generated text (--text) or the generated token ids on one line.
+{textwrap.fill(libs, 96)}
 """
 
 
 def _gpu_readme(info):
     """The README's words on running a bundle for an NVIDIA GPU."""
-    cudart = ("so is the CUDA runtime it links to (`libcudart.so.13`)"
-              if info.get("cudart") else
+    cudart = ("so is the CUDA runtime it links to (`libcudart.so.13`)" if info.get("cudart") else
               "the CUDA 13 runtime (`libcudart.so.13`) was not found where the bundle was made: "
-              "install it there (`pip install nvidia-cuda-runtime`, or the CUDA toolkit)")
+              "install it on the GPU machine (`pip install nvidia-cuda-runtime`, or the CUDA "
+              "toolkit)")
     gpu = info["gpu"].replace("cuda-", "") if info.get("gpu") else "the module's architecture"
-    return f"""
-## NVIDIA GPU
-
-Both programs run the model on the first GPU. Its device code (built by nvcc when the model
-was compiled) is in `model.device/`, checked against its sha256 and handed to TVM when the
-module loads, so the GPU machine needs no CUDA toolkit: only the NVIDIA driver
-(`libcuda.so.1`) for a GPU of {gpu} or later. TVM's CUDA runtime (`libtvm_runtime_cuda.so`) is
-in `runtime/tvm/lib/`; {cudart}. Keep `model.device/` beside `model.so`.
-"""
+    text = ("Both programs run the model on the first GPU. Its device code (built by nvcc when "
+            "the model was compiled) is in `model.device/`, checked against its sha256 and "
+            "handed to TVM when the module loads, so the GPU machine needs no CUDA toolkit: "
+            f"only the NVIDIA driver (`libcuda.so.1`) for a GPU of {gpu} or later. TVM's CUDA "
+            f"runtime (`libtvm_runtime_cuda.so`) is in `runtime/tvm/lib/`; {cudart}. Keep "
+            "`model.device/` beside `model.so`.")
+    return "\n## NVIDIA GPU\n\n" + textwrap.fill(text, 96) + "\n"

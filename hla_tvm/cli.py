@@ -275,7 +275,8 @@ def _bundle(args):
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.output)
                 for f in fs)
     gpu = info["device"] == "cuda"
-    print(f"wrote {args.output} ({info['arch']}{', NVIDIA GPU ' + info['gpu'] if gpu else ''}, "
+    where = f", NVIDIA GPU {info['gpu']}" if gpu else ""
+    print(f"wrote {args.output} ({info['arch']}{where}, "
           f"{total / 1e6:.1f} MB): model.so{', its device code' if gpu else ''}, the TVM runtime "
           f"libraries{' (CUDA too)' if gpu else ''}, generate.py, the C++ app's source; "
           f"{args.output}/README.md says how to run it")

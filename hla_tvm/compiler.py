@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import torch
 from torch import nn
@@ -254,6 +255,8 @@ def build(mod, meta, target, out, records_path=None):
     exe, meta = executable(mod, meta, target, records_path)
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))
+    else:   # an earlier GPU build's device code would make the apps take this for a GPU module
+        shutil.rmtree(device_code.folder_beside(out), ignore_errors=True)
     return libfile.export(exe, out, cc=cross_compiler(target), note=json.dumps(meta).encode())
 
 

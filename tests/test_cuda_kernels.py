@@ -347,10 +347,12 @@ def _served_without_nvcc(tmp_path, source, monkeypatch):
         shipped = device_code.shipped_path(source, "sm_90")
         with open(shipped, "ab") as f:   # altered: refused, naming the file
             f.write(b"!")
-        with pytest.raises(ValueError, match="does not match its checksum"):
-            hook(source)
-        with open(shipped, "r+b") as f:   # restored, for the bundle test
-            f.truncate(len(binary))
+        try:
+            with pytest.raises(ValueError, match="does not match its checksum"):
+                hook(source)
+        finally:
+            with open(shipped, "r+b") as f:   # restored, for the bundle test
+                f.truncate(len(binary))
     finally:
         _restore_hook(before)
 
@@ -403,11 +405,13 @@ def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
     assert "NVIDIA driver" in (out / "README.md").read_text()
     # the device code is picked as the runtime picks it (sm_90 and later GPUs), and checked
     gen = _generate_script()
-    source = "// not this module's source\n"
-    assert gen.device_code_for(str(out / "model.device"), source, 90) is None
-    digest = fatbin.split("-")[0]
-    shutil.copy(out / "model.device" / fatbin, tmp_path / f"{digest}-sm_80-sm_90.fatbin")
-    assert gen.device_code_for(str(tmp_path), "x", 90) is None
+    assert gen.device_code_for(str(out / "model.device"), "// another source\n", 90) is None
+    x = tmp_path / "x"   # a fatbin for two architectures: picked for either and later GPUs
+    x.mkdir()
+    both = x / f"{hashlib.sha256(b'x').hexdigest()}-sm_80-sm_90.fatbin"
+    both.write_bytes(b"2")
+    assert [gen.device_code_for(str(x), "x", a) for a in (75, 80, 86, 90, 100)] == \
+        [None] + [str(both)] * 4
     # without a driver here: each program says what is missing; altered device code is refused
     # (the C++ app checks it with its own sha256 before anything loads)
     script = [sys.executable, str(out / "generate.py"), str(out / "model.so"), "--prompt", "3,4"]
@@ -424,6 +428,14 @@ def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
         assert run.returncode == rc and "does not match its checksum" in run.stderr, run.stderr
     with pytest.raises(ValueError, match="does not match its checksum"):
         gen.read_checked(str(out / "model.device" / fatbin))
+    # a CPU build where a GPU build was drops its device code (else taken for a GPU module)
+    stale = tmp_path / "stale"
+    shutil.copytree(out / "model.device", stale / "m.device")
+    assert main(["compile", str(folder / "ck.pt"), "-o", str(stale / "m.so")]) == 0
+    assert not (stale / "m.device").exists()
+    run = subprocess.run(script[:2] + [str(stale / "m.so"), "--prompt", "3,4"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and len(run.stdout.split()) == 16, run.stderr
     # a module whose device code is not beside it: refused by the bundle and both programs
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -25,7 +25,6 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/container/tensor.h>
-#include <tvm/runtime/c_backend_api.h>
 
 #include <algorithm>
 #include <cctype>
@@ -267,11 +266,12 @@ DLDevice CudaDevice(const std::string& folder) {
   for (const auto& entry : std::filesystem::directory_iterator(folder)) {
     if (entry.path().extension() == ".fatbin") ReadChecked(entry.path().string());
   }
-  Dl_info info;
-  if (!dladdr(reinterpret_cast<void*>(&TVMBackendAllocWorkspace), &info) || !info.dli_fname) {
+  char origin[4096];   // the folder libtvm_runtime.so was loaded from
+  void* runtime = dlopen("libtvm_runtime.so", RTLD_NOW | RTLD_NOLOAD);
+  if (!runtime || dlinfo(runtime, RTLD_DI_ORIGIN, origin) != 0) {
     throw std::runtime_error("cannot tell where libtvm_runtime.so was loaded from");
   }
-  std::string lib = std::filesystem::path(info.dli_fname).parent_path() / "libtvm_runtime_cuda.so";
+  std::string lib = std::filesystem::path(origin) / "libtvm_runtime_cuda.so";
   if (!dlopen(lib.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
     throw std::runtime_error(std::string("TVM's CUDA runtime does not load (") + dlerror() +
                              "); a module for an NVIDIA GPU needs the NVIDIA driver "

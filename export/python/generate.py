@@ -174,7 +174,7 @@ class Tensors:
         return out
 
     def get(self, tensor):
-        if not self.gpu:
+        if tensor.device.dlpack_device_type() == KDL_CPU:
             return np.from_dlpack(tensor)
         out = np.empty(tuple(tensor.shape), dtype=str(tensor.dtype))
         self._from(tensor, ctypes.c_void_p(out.ctypes.data), out.nbytes)
@@ -202,8 +202,9 @@ def load(path, runtime_lib=None):
     if init[0] != KDL_CPU:
         init += [KDL_CPU, 0, POOLED]   # the host, for the model's shape computations
     vm["vm_initialization"](*init)
-    meta = json.loads(bytes(np.from_dlpack(vm["hla_tvm_meta"]())).decode())
-    return vm, meta, Tensors(device)
+    tensors = Tensors(device)
+    meta = json.loads(bytes(tensors.get(vm["hla_tvm_meta"]())).decode())   # (a constant: on
+    return vm, meta, tensors                                                  # the device)
 
 
 def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
