@@ -218,6 +218,10 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         chunk_size=64, repeat=5, json_path=None, kv_heads=None, out=print):
     dv = dv or dk
     kv_heads = kv_heads or heads
+    if json_path:
+        from . import validate
+
+        json_path = validate.output_path("json_path", json_path)
     if heads % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, op=op, decay=decay,

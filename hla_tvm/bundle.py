@@ -28,22 +28,8 @@ import shutil
 import tempfile
 import textwrap
 
+from .libfile import elf_machine
 from .target import is_host_arch
-
-# ELF e_machine -> architecture name (as `uname -m` prints it)
-ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
-
-
-def elf_machine(path):
-    """The architecture an ELF shared library at `path` is built for; ValueError for files
-    that are not ELF."""
-    with open(path, "rb") as f:
-        head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        raise ValueError(f"{path}: not a shared library (no ELF header)")
-    code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
-    return ELF_MACHINES.get(code, f"machine {code}")
-
 
 def export_sources():
     """The folder with the app sources (cpp/, python/): hla_tvm/_export in an installed wheel,
@@ -179,8 +165,8 @@ def _device_code(module):
         if os.path.isdir(folder) else []
     if not binaries:
         raise ValueError(f"{module} was compiled for an NVIDIA GPU, and its device code is not "
-                         f"beside it ({folder}): compile it again where nvcc (the CUDA toolkit) "
-                         "is installed, which builds it there")
+                         f"beside it ({folder}): copy that folder along with the module, or "
+                         "compile it again where nvcc (the CUDA toolkit) is installed")
     for name in binaries:
         read_checked(os.path.join(folder, name))
     return folder

@@ -177,6 +177,9 @@ def _compile(args):
             raise ValueError(f"--arch {args.arch} applies to CUDA targets: give --target cuda")
         target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}
     tgt = resolve_model_target(target)   # a bad target fails before any model work
+    from . import validate
+
+    validate.output_path("-o", args.output)   # and a bad output path
     if args.checkpoint.endswith(".onnx"):
         from .onnx import compile as compile_onnx
 
@@ -210,14 +213,19 @@ def _export_onnx(args):
     from .models import HLALM
     from .onnx import export
 
+    from . import validate
+
+    validate.output_path("-o", args.output)
     model = HLALM.load(args.checkpoint)
     entry = "decode step" if args.decode else "prefill from a given state" if args.from_state \
         else "prefill"
     print(f"exporting {args.checkpoint} ({entry}) to ONNX ...", flush=True)
     proto = export(model, args.output, decode=args.decode, from_state=args.from_state)
     n = sum(1 for node in proto.graph.node if node.domain == "hla_tvm")
+    bodies = len(proto.functions)
     print(f"wrote {args.output}: {len(proto.graph.node)} nodes, {n} hla_tvm::HLA, "
-          f"{len(proto.functions)} function bodies (opset {proto.opset_import[0].version})")
+          f"{bodies} function bod{'y' if bodies == 1 else 'ies'} (opset "
+          f"{proto.opset_import[0].version})")
     return 0
 
 
@@ -239,10 +247,22 @@ def _run(args):
         meta = read_meta(args.module) or load(args.module, args.device, threads=args.threads).meta
         print(_module_info(args.module, meta))
         return 0
-    if (args.prompt is None) == (args.prompt_ids is None):
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3, not both")
+    if args.prompt is None and args.prompt_ids is None:
         raise ValueError("give --prompt TEXT (byte-level models) or --prompt-ids 1,2,3 "
                          "(or --info to describe the module)")
-    prompt = encode_text(args.prompt) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    from .generate import check_sampling
+
+    try:   # (before the prompt is echoed)
+        check_sampling(args.temperature or 0.0, args.top_k or 0, args.seed)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-')}") from None
+    try:
+        prompt = encode_text(args.prompt) if args.prompt is not None else \
+            _prompt_ids(args.prompt_ids)
+    except UnicodeError as err:
+        raise ValueError(f"--prompt is not valid text ({err.reason})") from None
     m = load(args.module, args.device, threads=args.threads)
     if args.prompt is not None and m.vocab != "bytes":
         raise ValueError(f"{args.module}: --prompt TEXT needs a byte-level model (this one's "
@@ -263,7 +283,8 @@ def _run(args):
         print(" ".join(map(str, tokens)))
     rate = f"{info['decode_steps'] / info['decode_s']:.1f} tokens/s" \
         if info["decode_steps"] and info["decode_s"] > 0 else "no decode steps (--tokens 1)"
-    print(f"prefill {len(prompt)} tokens: {info['prefill_s'] * 1e3:.2f} ms; decode: {rate}",
+    print(f"prefill {len(prompt)} token{'' if len(prompt) == 1 else 's'}: "
+          f"{info['prefill_s'] * 1e3:.2f} ms; decode: {rate}",
           file=sys.stderr)
     return 0
 
@@ -345,6 +366,17 @@ def _cache(args):
     return 0
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Options' help with their defaults, unless the help already says its default or there is
+    none to say (None, or an off flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -354,11 +386,14 @@ def build_parser():
         description="Higher-order Linear Attention compiled with Apache TVM. Kernels are "
                     "compiled for this CPU on first use and cached (see `hla-tvm cache`).")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"hla-tvm {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name, **kw):
         return sub.add_parser(name, parents=[common],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+                              formatter_class=_Defaults, **kw)
 
     from .demo import DEFAULT_PROMPT
 
@@ -481,10 +516,11 @@ def build_parser():
                                     "`compile` takes it too)")
     x.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
     x.add_argument("-o", "--output", default="model.onnx", help="output file")
-    x.add_argument("--decode", action="store_true",
-                   help="export the one-token decode step (tokens [B] and state in, logits "
-                        "[B, vocab] and state out) instead of the prefill graph")
-    x.add_argument("--from-state", action="store_true",
+    which = x.add_mutually_exclusive_group()
+    which.add_argument("--decode", action="store_true",
+                       help="export the one-token decode step (tokens [B] and state in, logits "
+                            "[B, vocab] and state out) instead of the prefill graph")
+    which.add_argument("--from-state", action="store_true",
                    help="the prefill graph also takes the state to continue from (by default "
                         "it starts a fresh sequence from the tokens alone)")
     x.set_defaults(func=_export_onnx)

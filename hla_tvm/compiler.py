@@ -15,6 +15,7 @@ import shutil
 import torch
 from torch import nn
 
+from . import validate
 from .runtime import META_FUNC, MODULE_FORMAT
 from .target import cross_compiler
 
@@ -206,6 +207,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int)
                                   or max_batch < 1):
         raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+    out = validate.output_path("out", out)
     tgt = resolve_model_target(target)
     records_path = records_folder(schedules, tgt)
     from .models.hlalm import weights_digest

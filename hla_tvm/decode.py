@@ -34,6 +34,13 @@ def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
     if dtype not in validate.FLOATS:
         raise TypeError(f"dtype must be the inputs' floating dtype, got {dtype}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r} ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: PyTorch sees no CUDA GPU here")
     op = operators.get(order, asymmetric)
     shapes = op.state_shapes(batch, heads, kv_heads, head_dim, value_dim)
     return {n: torch.zeros(shapes[n], dtype=state_dtype(dtype), device=device)

@@ -29,6 +29,21 @@ NO_TAG = bytes(32)
 _ELF_MAGIC = b"\x7fELF"
 
 
+# ELF e_machine -> architecture name (as `uname -m` prints it)
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
+
+
+def elf_machine(path):
+    """The architecture an ELF shared library at `path` is built for; ValueError for files
+    that are not ELF."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if len(head) < 20 or head[:4] != _ELF_MAGIC:
+        raise ValueError(f"{path}: not a shared library (no ELF header)")
+    code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return ELF_MACHINES.get(code, f"machine {code}")
+
+
 def tag_of(text: str) -> bytes:
     """The 32-byte tag for `text` (sha256)."""
     return hashlib.sha256(text.encode()).digest()
@@ -156,17 +171,24 @@ def load(path, tag: bytes | None = None, what="compiled module"):
 
     The dynamic loader hands back the library already loaded under a path, even after the file
     was replaced: a module compiled again to the same path would silently run the old code. A
-    path whose content changed since this process loaded it is loaded under another name (a
-    hard link beside it, else a copy; TVM resolves symbolic links), removed once mapped."""
+    path whose content changed since this process loaded it, or whose name does not end in .so,
+    is loaded under another name (a hard link beside it, else a copy; TVM resolves symbolic
+    links), removed once mapped."""
     import tvm
 
+    from .target import is_host_arch
+
     digest = check(path, tag, what)
+    arch = elf_machine(path)
+    if not is_host_arch(arch):
+        raise ValueError(f"{path}: built for {arch}, not for this machine's architecture: run "
+                         "it there (`hla-tvm bundle` packs it with that architecture's runtime)")
     real = os.path.realpath(path)
     with _LOADED_LOCK:
         seen = _LOADED.get(real)
         alias = None
-        if seen is not None and seen != digest:
-            alias = _alias(real, digest)
+        if (seen is not None and seen != digest) or not real.endswith(".so"):
+            alias = _alias(real, digest)   # (TVM picks its loader by the name's ending)
         try:
             lib = tvm.runtime.load_module(alias or real)
         except Exception as err:

@@ -55,6 +55,8 @@ OPERATORS = {
 def get(order, asymmetric):
     try:
         return OPERATORS[(order, asymmetric)]
-    except KeyError:
+    except (KeyError, TypeError):
+        if order not in (2, 3) or isinstance(order, bool):
+            raise ValueError(f"order must be 2 or 3, got {order!r}") from None
         raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator; "
                          "asymmetric=True is defined for order 2 only") from None

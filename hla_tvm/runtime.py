@@ -121,6 +121,15 @@ def _cuda_device(tvm, index):
     return dev
 
 
+def _check_device(path, meta, kind):
+    """ValueError unless the module at `path` with metadata `meta` (None: not known) was
+    compiled for the device kind `kind` ("cpu" or "cuda")."""
+    built_for = (meta or {}).get("device", kind if meta is None else "cpu")
+    if built_for != kind:
+        what = "an NVIDIA GPU" if built_for == "cuda" else "the CPU"
+        raise ValueError(f"{path} was compiled for {what}: load it with device={built_for!r}")
+
+
 def physical_cores():
     """Physical cores this process may run on (SMT siblings count once)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
@@ -172,6 +181,7 @@ class CompiledModel:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
+        _check_device(path, read_meta(path), kind)   # (from the library's note, before loading)
         self.threads = set_threads(threads)
         self._tvm = tvm
         self.device = tvm.cpu() if kind == "cpu" else _cuda_device(tvm, index)
@@ -195,11 +205,7 @@ class CompiledModel:
         except Exception as err:
             raise ValueError(f"{path}: not an hla_tvm compiled model ({err})") from None
         self.meta = _checked_meta(path, raw)
-        built_for = self.meta.get("device", "cpu")
-        if built_for != kind:
-            what = "an NVIDIA GPU" if built_for == "cuda" else "the CPU"
-            raise ValueError(f"{path} was compiled for {what}: load it with "
-                             f"device={built_for!r}")
+        _check_device(path, self.meta, kind)
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")
         # what token ids mean: "bytes" (UTF-8 text, id = byte) or None (the model's own ids)
@@ -242,9 +248,18 @@ class CompiledModel:
         return [self._tvm.runtime.tensor(x.numpy(), self.device) for x in state]
 
     def save_state(self, state, path):
-        """Write the state to an .npz file (one array per entry, named as in state_spec)."""
+        """Write the state to the file `path` as it is named (an .npz archive: one array per
+        entry, named as in state_spec), through a temporary file beside it."""
         state = self._check_state(state, _batch_of(state), "save_state")
-        np.savez(path, **{n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)})
+        path = os.fspath(path)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:   # (a file object: numpy adds no .npz to the name)
+                np.savez(f, **{n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def load_state(self, path):
         """A state written by save_state, checked against this model (names, shapes, dtypes,
@@ -252,14 +267,26 @@ class CompiledModel:
         path = os.fspath(path)
         names = [n for n, _, _ in self.state_spec]
         try:
-            with np.load(path, allow_pickle=False) as f:
+            archive = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+            raise ValueError(f"{path}: not a state file written by save_state (not an .npz "
+                             "archive of arrays)") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):   # (one array: an .npy file)
+            raise ValueError(f"{path}: not a state file written by save_state (one array, not "
+                             "an .npz archive)")
+        try:
+            with archive as f:
                 missing = [n for n in names if n not in f.files]
                 if missing:
                     raise ValueError(f"{path}: not a state of this model (missing entries "
                                      f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
                 arrays = [f[n] for n in names]
-        except (ValueError, FileNotFoundError):
-            raise
+        except ValueError as err:
+            if str(err).startswith(f"{path}: "):
+                raise
+            raise ValueError(f"{path}: not a readable state file ({err})") from None
         except (OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
             raise ValueError(f"{path}: not a readable state file ({err})") from None
         first = self.state_spec[0]

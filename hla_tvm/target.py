@@ -106,6 +106,11 @@ def for_device(device, target=None):
             raise ValueError(f"target={target!r} is a {tgt.kind.name} target, but the tensors "
                              "are on the CPU: move them to the GPU (.cuda()) or give a CPU "
                              "target")
+        if not is_host_arch(target_arch(tgt)):
+            raise ValueError(f"target={target!r} builds code for {target_arch(tgt)}, which this "
+                             "machine cannot run (the kernels run where the tensors are): give "
+                             "this CPU's target, or compile a model for that machine with "
+                             "hla_tvm.compile")
         return tgt
     if device.type != "cuda":
         raise ValueError(f"tensors on {device} are not supported: give CPU or CUDA tensors")

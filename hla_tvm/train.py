@@ -19,6 +19,8 @@ import zlib
 import torch
 from torch.nn import functional as F
 
+from . import validate
+
 VAL_MODULUS = 20
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -231,9 +233,7 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
                                       and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"output {out}: the folder {folder} does not exist or is not writable")
+    out = validate.output_path("output", out)
     config = dict(SHIPPED_CONFIG)
     for key, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads)):
         if value is not None:

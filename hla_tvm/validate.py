@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -64,6 +65,20 @@ def real(name, value, *, low=None, low_open=False, high=None):
     return value
 
 
+def output_path(name, path):
+    """`path` as a str: a file to write, checked before any work: not a folder, in a folder
+    that exists and is writable."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a file path, got {type(path).__name__}")
+    path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
+        raise ValueError(f"{name} {path!r} is a folder: give a file path in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{name} {path}: the folder {folder} does not exist or is not writable")
+    return path
+
+
 def integer(name, value, *, choices=None, low=None):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -76,9 +91,21 @@ def integer(name, value, *, choices=None, low=None):
 
 
 def decay(value, heads):
-    """None, a float in (0, 1], or a tensor of one value per head ([H]) in (0, 1]."""
+    """None, a float in (0, 1], or one value per head in (0, 1]: a tensor of shape [H] (a list,
+    tuple or numpy array of H numbers becomes a float64 tensor; a 0-d tensor is a float)."""
     if value is None:
         return None
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    elif isinstance(value, (list, tuple)) or type(value).__module__ == "numpy":
+        items = value.tolist() if hasattr(value, "tolist") else list(value)
+        if not isinstance(items, list):   # (a 0-d numpy array)
+            return real("decay", items, low=0.0, low_open=True, high=1.0)
+        if len(items) != heads:
+            raise ValueError(f"decay as one value per head must have H = {heads} values, "
+                             f"got {len(items)}")
+        value = torch.tensor([real(f"decay[{i}]", x, low=0.0, low_open=True, high=1.0)
+                              for i, x in enumerate(items)], dtype=torch.float64)
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.shape[0] != heads:
             raise ValueError(f"decay as a tensor must have shape [H] = [{heads}], "
@@ -88,6 +115,9 @@ def decay(value, heads):
         if not bool(((value > 0) & (value <= 1)).all()):
             raise ValueError("decay values must lie in (0, 1]")
         return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"decay must be a real number or one value per head (a tensor or list of "
+                        f"{heads}), got {type(value).__name__}")
     return real("decay", value, low=0.0, low_open=True, high=1.0)
 
 

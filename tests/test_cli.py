@@ -71,6 +71,18 @@ def test_expected_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
                        "not valid JSON")
     _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1,x"],
                        "--prompt-ids")
+    # the output path is checked before any work; run's options before the prompt is echoed
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt"), "-o",
+                                str(tmp_path / "no" / "m.so")], "does not exist")
+    _fails_in_one_line(capsys, ["compile", str(tmp_path / "junk.pt"), "-o", str(tmp_path)],
+                       "is a folder")
+    _fails_in_one_line(capsys, ["export-onnx", str(tmp_path / "junk.pt"), "-o",
+                                str(tmp_path / "no" / "m.onnx")], "does not exist")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1",
+                                "--prompt", "a"], "not both")
+    for opt, value in (("--seed", "-1"), ("--temperature", "nan"), ("--top-k", "-2")):
+        _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt", "hi", opt,
+                                    value], opt)
 
 
 def test_the_target_is_checked_before_any_model_work(tmp_path, capsys):
@@ -132,3 +144,17 @@ def test_output_cut_short_by_a_pipe_is_not_an_error(tmp_path):
                          capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, HLA_TVM_CACHE_DIR=str(cache)))
     assert "error" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_version_and_module_entry_point(capsys):
+    import subprocess
+    import sys
+
+    from hla_tvm import __version__
+
+    run = subprocess.run([sys.executable, "-m", "hla_tvm", "--version"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"hla-tvm {__version__}"
+    with pytest.raises(SystemExit) as e:   # alternatives, not both
+        main(["export-onnx", "m.pt", "--decode", "--from-state"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err

@@ -3,6 +3,7 @@ file (or, where the damage hit bytes that carry no data, exactly the original co
 crash and never a silently different model. Kernel-cache entries are rebuilt instead."""
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -247,3 +248,51 @@ def test_module_compiled_again_to_the_same_path_is_reloaded(tmp_path):
             ref, _ = model(torch.as_tensor(tokens))
         assert rel_err(torch.from_numpy(logits), ref) <= 1e-4, cfg
     assert sorted(os.listdir(tmp_path)) == ["same.so"]   # no aliases left behind
+
+
+def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files, tmp_path,
+                                                                           cpp_app):
+    """export/'s script and C++ app check a module as `hla_tvm.libfile` does before the loader
+    maps it (truncated: SIGBUS; flipped bytes: silently wrong tokens) and refuse a module for
+    another architecture or a name TVM cannot load, each with one line naming the file."""
+    _, folder = files
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "export", "python", "generate.py")
+    paths = [_damaged(folder / "model.so", tmp_path / f"{how}{s}.so", how, s, count=64)
+             for how in ("truncate", "flip") for s in SEEDS[:3]]
+    foreign = bytearray((folder / "model.so").read_bytes())
+    foreign[18:20] = (183).to_bytes(2, "little")   # EM_AARCH64
+    (tmp_path / "arm.so").write_bytes(bytes(foreign))
+    shutil.copyfile(folder / "model.so", tmp_path / "model")
+    cases = [(p, "corrupt|checksum trailer") for p in paths] + \
+        [(tmp_path / "arm.so", "compiled for aarch64, this machine is"),
+         (tmp_path / "model", "must end in .so"), (tmp_path / "none.so", "cannot read it")]
+    for path, want in cases:
+        for cmd in ([sys.executable, script], [cpp_app]):
+            run = subprocess.run(cmd + [str(path), "--prompt", "1,2", "--steps", "2"],
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode in (1, 2) and not run.stdout, (cmd, path, run.returncode)
+            line = run.stderr.strip().splitlines()[-1]
+            assert str(path.name) in line and re.search(want, line), (cmd, line)
+    # the runtime loads a module whatever its name ends in
+    m = load(tmp_path / "model")
+    assert m.decode(np.array([3]), m.init_state(1))[0].shape == (1, VOCAB)
+
+
+def test_state_file_keeps_its_name_and_other_numpy_files_are_refused(files, tmp_path):
+    """save_state writes the name it is given (numpy would add .npz), load_state reads it back;
+    a single array or a pickle is no state file."""
+    _, folder = files
+    m = load(folder / "model.so")
+    _, state = m.prefill(np.arange(5).reshape(1, 5), m.init_state(1))
+    m.save_state(state, tmp_path / "state")
+    assert sorted(os.listdir(tmp_path)) == ["state"]
+    back = m.load_state(tmp_path / "state")
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(state, back))
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    np.save(tmp_path / "obj.npy", np.array([{1: 2}], dtype=object))
+    (tmp_path / "code.py").write_text("print(1)\n")
+    for name in ("one.npy", "obj.npy", "code.py"):
+        with pytest.raises(ValueError, match="not a state file written by save_state") as err:
+            m.load_state(tmp_path / name)
+        assert "allow_pickle" not in str(err.value)

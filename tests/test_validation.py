@@ -47,6 +47,12 @@ def test_heads_must_divide():
     (dict(decay=0.0), ValueError, "decay must be > 0"),
     (dict(decay=1.5), ValueError, "decay must be <= 1"),
     (dict(decay=torch.ones(3)), ValueError, r"decay as a tensor must have shape \[H\] = \[2\]"),
+    (dict(decay=[0.9]), ValueError, "decay as one value per head must have H = 2 values"),
+    (dict(decay=(0.9, "x")), TypeError, r"decay\[1\] must be a real number"),
+    (dict(decay=[0.9, 1.5]), ValueError, r"decay\[1\] must be <= 1"),
+    (dict(decay="x"), TypeError, "decay must be a real number or one value per head"),
+    (dict(target="aarch64"), ValueError, "builds code for aarch64, which this machine cannot "
+                                         "run"),
     (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(masked=1), TypeError, "masked must be a bool"),
@@ -111,3 +117,39 @@ def test_state_of_another_operator_is_refused():
     _, st = hla(q, k, v, backend="torch", return_state=True)
     with pytest.raises(ValueError, match="exactly the keys"):
         hla(q, k, v, backend="torch", order=3, state=st)
+
+
+@pytest.mark.parametrize("backend", ["tvm", "torch"])
+def test_decay_per_head_as_a_list_tuple_or_array_equals_the_tensor(backend):
+    import numpy as np
+
+    q, k, v = qkv()
+    want = hla(q, k, v, decay=torch.tensor([0.9, 0.5]), backend=backend)
+    for decay in ([0.9, 0.5], (0.9, 0.5), np.array([0.9, 0.5])):
+        assert torch.equal(hla(q, k, v, decay=decay, backend=backend), want)
+    assert torch.equal(hla(q, k, v, decay=torch.tensor(0.9), backend=backend),
+                       hla(q, k, v, decay=0.9, backend=backend))
+
+
+def test_the_kernels_refuse_inputs_recording_gradients():
+    """backend='tvm' computes no gradients: an input that requires grad (with grad mode on) is
+    refused, not silently cut from the graph; backend='torch' differentiates."""
+    q, k, v = qkv()
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="q requires grad, but backend='tvm' computes no "
+                                         "gradients"):
+        hla(q, k, v)
+    with torch.no_grad():
+        assert torch.allclose(hla(q, k, v), hla(q, k, v, backend="torch"), atol=1e-5)
+    hla(q, k, v, backend="torch").sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_init_state_names_a_bad_device():
+    from hla_tvm import init_state
+
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        init_state(1, 2, 4, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="PyTorch sees no CUDA GPU here"):
+            init_state(1, 2, 4, device="cuda")

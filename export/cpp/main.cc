@@ -19,6 +19,7 @@
 // loads (no CUDA toolkit needed).
 #include <dlfcn.h>
 #include <dlpack/dlpack.h>
+#include <sys/utsname.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
 #include <tvm/ffi/extra/json.h>
@@ -335,15 +336,59 @@ DLDataType ParseDType(const std::string& s) {
   throw std::runtime_error("state dtype " + s + " is not supported by this app");
 }
 
+// Refuse a file that is not a whole, unmodified module written by `hla-tvm compile` for this
+// machine's architecture (a truncated library would kill the process when mapped, an altered one
+// compute wrong answers). The trailer, as `hla_tvm.libfile` writes it: "HLATVMSL", a tag (32
+// bytes), the sha256 of every byte before the trailer (32 bytes), "HLATVMEN".
+void CheckModule(const std::string& path) {
+  std::ifstream probe(path, std::ios::binary);
+  if (!probe) throw std::runtime_error(path + ": cannot read it (" + std::strerror(errno) + ")");
+  probe.close();
+  std::string data = ReadFile(path);
+  const size_t trailer = 80;
+  if (data.size() < 20 || data.compare(0, 4, "\x7f" "ELF") != 0) {
+    throw std::runtime_error(path + ": not a compiled module (no ELF shared-library header)");
+  }
+  const unsigned char* h = reinterpret_cast<const unsigned char*>(data.data());
+  int code = h[5] == 1 ? h[18] | (h[19] << 8) : (h[18] << 8) | h[19];
+  std::string arch = code == 62 ? "x86_64" : code == 183 ? "aarch64" : code == 40 ? "arm" :
+                     code == 243 ? "riscv64" : "machine " + std::to_string(code);
+  utsname host;
+  if (uname(&host) == 0 && arch != host.machine) {
+    throw std::runtime_error(path + " was compiled for " + arch + ", this machine is " +
+                             host.machine + ": run it (or its bundle) there");
+  }
+  size_t n = data.size();
+  if (n < 64 + trailer || data.compare(n - trailer, 8, "HLATVMSL") != 0 ||
+      data.compare(n - 8, 8, "HLATVMEN") != 0) {
+    throw std::runtime_error(path + ": the module has no hla_tvm checksum trailer (truncated, "
+                             "or not written by `hla-tvm compile`)");
+  }
+  std::ostringstream want;
+  for (size_t i = n - trailer + 40; i < n - trailer + 72; ++i) {
+    want << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(h[i]);
+  }
+  if (Sha256Hex(data.substr(0, n - trailer)) != want.str()) {
+    throw std::runtime_error(path + ": the module is corrupt (its sha256 does not match the "
+                             "checksum recorded when it was compiled)");
+  }
+}
+
 // The library at `path`; a module for a GPU without its device code `folder` is refused plainly.
 ffi::Module Load(const std::string& path, const std::string& folder) {
   try {
     // (absolute: a bare file name would be looked for on the library path)
     return ffi::Module::LoadFromFile(std::filesystem::absolute(path).string());
   } catch (const std::exception& err) {
-    if (std::string(err.what()).find("load_from_bytes.cuda") == std::string::npos) throw;
-    throw std::runtime_error(path + " was compiled for an NVIDIA GPU, but its device code (" +
-                             folder + ") is not beside it: copy that folder along");
+    std::string what = err.what();
+    if (what.find("load_from_bytes.cuda") != std::string::npos) {
+      throw std::runtime_error(path + " was compiled for an NVIDIA GPU, but its device code (" +
+                               folder + ") is not beside it: copy that folder along");
+    }
+    bool so = path.size() > 3 && path.compare(path.size() - 3, 3, ".so") == 0;
+    throw std::runtime_error(path + ": not a loadable module (" +
+                             what.substr(what.find_last_of('\n') + 1) + ")" +
+                             (so ? "" : "; its name must end in .so"));
   }
 }
 
@@ -357,6 +402,7 @@ struct Model {
   bool bytes = false;  // byte-level vocabulary (config "vocab": "bytes")
 
   explicit Model(const std::string& path) {
+    CheckModule(path);
     std::string folder = DeviceCodeFolder(path);
     if (std::filesystem::is_directory(folder)) dev = CudaDevice(folder);
     ffi::Module lib = Load(path, folder);

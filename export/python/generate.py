@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import sys
 
 import numpy as np
@@ -39,6 +40,8 @@ POOLED = 2                 # the virtual machine's pooled allocator
 
 def runtime_library(given=None):
     """The path of libtvm_runtime.so (see the module docstring for where it is looked for)."""
+    if given is not None and not os.path.isfile(given):
+        raise FileNotFoundError(f"--runtime-lib {given}: no such file")
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [given, os.environ.get("TVM_RUNTIME_LIB"),
                   os.path.join(here, "runtime", "tvm", "lib", "libtvm_runtime.so")]
@@ -64,6 +67,45 @@ def aligned(array):
     out = buf[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
     out[...] = array
     return out
+
+
+# a module's trailer, as `hla_tvm.libfile` writes it: b"HLATVMSL", a tag (32 bytes), the sha256
+# of every byte before the trailer (32 bytes), b"HLATVMEN"
+TRAILER = 80
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
+
+
+def check_module(path):
+    """Refuse (ValueError, one line) a file that is not a whole, unmodified module written by
+    `hla-tvm compile` for this machine's architecture: a truncated library would kill the
+    process when mapped, an altered one compute wrong answers."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(20)
+            f.seek(max(0, size - TRAILER))
+            trailer = f.read(TRAILER)
+            if len(head) < 20 or head[:4] != b"\x7fELF":
+                raise ValueError(f"{path}: not a compiled module (no ELF shared-library header)")
+            code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+            arch = ELF_MACHINES.get(code, f"machine {code}")
+            if arch != platform.machine():
+                raise ValueError(f"{path} was compiled for {arch}, this machine is "
+                                 f"{platform.machine()}: run it (or its bundle) there")
+            if size < 64 + TRAILER or trailer[:8] != b"HLATVMSL" or trailer[-8:] != b"HLATVMEN":
+                raise ValueError(f"{path}: the module has no hla_tvm checksum trailer "
+                                 "(truncated, or not written by `hla-tvm compile`)")
+            digest, left = hashlib.sha256(), size - TRAILER
+            f.seek(0)
+            while left:
+                block = f.read(min(left, 1 << 20))
+                digest.update(block)
+                left -= len(block)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if digest.digest() != trailer[40:72]:
+        raise ValueError(f"{path}: the module is corrupt (its sha256 does not match the checksum "
+                         "recorded when it was compiled)")
 
 
 def device_code_folder(module):
@@ -187,6 +229,7 @@ def load(path, runtime_lib=None):
     import tvm_ffi   # first: loads libtvm_ffi.so, which libtvm_runtime.so links to
 
     path = os.path.abspath(path)   # (a bare file name would be looked for on the library path)
+    check_module(path)
     lib = runtime_library(runtime_lib)
     ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     folder = device_code_folder(path)
@@ -197,7 +240,9 @@ def load(path, runtime_lib=None):
         if "load_from_bytes.cuda" in str(err):
             raise ValueError(f"{path} was compiled for an NVIDIA GPU, but its device code "
                              f"({folder}) is not beside it: copy that folder along") from None
-        raise
+        hint = "" if path.endswith(".so") else "; its name must end in .so"
+        raise ValueError(f"{path}: not a loadable module ({str(err).splitlines()[-1]}){hint}") \
+            from None
     init = [device.dlpack_device_type(), device.index, POOLED]
     if init[0] != KDL_CPU:
         init += [KDL_CPU, 0, POOLED]   # the host, for the model's shape computations
@@ -245,15 +290,22 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("module")
-    p.add_argument("--prompt", default=None, help="token ids, e.g. 5,9,2")
+    p = argparse.ArgumentParser(
+        description="Generate tokens (or text) with a module compiled by `hla-tvm compile`, "
+                    "needing only numpy, apache-tvm-ffi and TVM's runtime library (a module "
+                    "compiled for an NVIDIA GPU runs on the first GPU).")
+    p.add_argument("module", help="the compiled module (model.so)")
+    p.add_argument("--prompt", default=None, help="prompt token ids, e.g. 5,9,2")
     p.add_argument("--text", default=None, help="prompt text (byte-level models)")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runtime-lib", default=None, help="path of libtvm_runtime.so")
+    p.add_argument("--steps", type=int, default=16, help="tokens to generate (default: 16)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (default: 0, all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: 0)")
+    p.add_argument("--runtime-lib", default=None,
+                   help="path of libtvm_runtime.so (default: $TVM_RUNTIME_LIB, a bundle's "
+                        "runtime/, or the installed tvm package's)")
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.text is None):
         p.error("give --prompt ids or --text TEXT")

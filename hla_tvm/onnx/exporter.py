@@ -118,6 +118,9 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False):
         if not callable(getattr(model, attr, None)):
             raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
                             f"state) and init_state(batch); {type(model).__name__} has no {attr}")
+    from .. import validate
+
+    path = validate.output_path("path", path)
     model = copy.deepcopy(model).eval().float()
     layout = [tuple(layer) for layer in model.init_state(1)]
     tokens = _example_tokens(example_tokens, decode)

@@ -287,8 +287,10 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: 
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). schedules: as for
     `hla_tvm.compile`. Returns `out`."""
+    from .. import validate
     from ..compiler import build, records_folder, resolve_model_target
 
+    out = validate.output_path("out", out)
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     records_path = records_folder(schedules, tgt)
     from ..frontend.relax_hla import chunks_for
