@@ -18,9 +18,12 @@ _LOCK = threading.Lock()
 
 
 def cache_dir():
-    """$HLA_TVM_CACHE_DIR, else $XDG_CACHE_HOME/hla_tvm, else ~/.cache/hla_tvm."""
+    """$HLA_TVM_CACHE_DIR, else $XDG_CACHE_HOME/hla_tvm, else ~/.cache/hla_tvm; ValueError
+    naming the variable when $HLA_TVM_CACHE_DIR is a file."""
     env = os.environ.get("HLA_TVM_CACHE_DIR")
     if env:
+        if os.path.exists(env) and not os.path.isdir(env):
+            raise ValueError(f"HLA_TVM_CACHE_DIR={env} is a file, not a folder")
         return env
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "hla_tvm")

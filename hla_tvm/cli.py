@@ -392,6 +392,8 @@ def build_parser():
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name, **kw):
+        if "help" in kw:   # (its --help opens with what the command does)
+            kw.setdefault("description", kw["help"][0].upper() + kw["help"][1:] + ".")
         return sub.add_parser(name, parents=[common],
                               formatter_class=_Defaults, **kw)
 
@@ -631,7 +633,12 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the command's own usage, not the top level's
+        commands = next(a for a in parser._actions
+                        if isinstance(a, argparse._SubParsersAction)).choices
+        commands.get(getattr(args, "command", None), parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -158,3 +158,15 @@ def test_version_and_module_entry_point(capsys):
     with pytest.raises(SystemExit) as e:   # alternatives, not both
         main(["export-onnx", "m.pt", "--decode", "--from-state"])
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_unknown_options_are_named_by_the_command_and_a_file_is_no_cache(tmp_path, capsys,
+                                                                         monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "x.so", "--text", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "hla-tvm run: error: unrecognized arguments: --text hi" in err
+    assert "usage: hla-tvm run" in err
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path / "f"))
+    _fails_in_one_line(capsys, ["cache"], "HLA_TVM_CACHE_DIR=", "is a file")
