@@ -158,6 +158,16 @@ def _arch_number(arch):
     return int(digits) if digits else None
 
 
+def _serves(built, want):
+    """The architecture number of a build for `built` ("sm_80", "sm_90a") when its code runs on
+    a GPU of number `want` (90), else None: a build for an older architecture runs through its
+    PTX, an architecture-specific one ("sm_90a": its PTX too) on its own architecture only."""
+    num = _arch_number(built)
+    if num is None or want is None or num > want or (built[-1].isalpha() and num != want):
+        return None
+    return num
+
+
 _SHIPPED: list = []        # folders of shipped device code the hook looks in first
 _SHIPPED_LOCK = threading.Lock()
 
@@ -174,7 +184,8 @@ def add_shipped(folder):
 def shipped_path(source, arch):
     """The shipped device code of CUDA `source` that runs on a GPU of architecture `arch`, in
     a folder `add_shipped` named: built for `arch`, else for the newest older architecture
-    (its PTX is compiled for the GPU by the driver); None when there is none."""
+    (its PTX is compiled for the GPU by the driver; not an architecture-specific build, `_serves`);
+    None when there is none."""
     digest = hashlib.sha256(source.encode()).hexdigest()
     want = _arch_number(arch)
     with _SHIPPED_LOCK:
@@ -188,8 +199,8 @@ def shipped_path(source, arch):
         for name in names:
             if not (name.startswith(digest + "-") and name.endswith(".fatbin")):
                 continue
-            built = [_arch_number(a) for a in name[len(digest) + 1:-len(".fatbin")].split("-")]
-            fits = [b for b in built if b is not None and want is not None and b <= want]
+            built = name[len(digest) + 1:-len(".fatbin")].split("-")
+            fits = [n for n in (_serves(a, want) for a in built) if n is not None]
             if fits and (best is None or max(fits) > best[0]):
                 best = (max(fits), os.path.join(folder, name))
     return None if best is None else best[1]

@@ -256,9 +256,17 @@ def test_shipped_device_code_is_picked_for_the_gpu_architecture(tmp_path, monkey
     assert picked["sm_75"] is None and device_code.shipped_path("// other\n", "sm_90") is None
     assert [open(picked[a], "rb").read() for a in ("sm_86", "sm_90", "sm_100")] == \
         [b"sm_80", b"sm_90", b"sm_90"]
+    # an architecture-specific build (its PTX too) serves its own architecture only
+    specific = "// sm_90a code\n"
+    device_code._write(device_code.stored_path(str(tmp_path), specific, "sm_90a"), b"a")
+    assert [device_code.shipped_path(specific, a) for a in ("sm_89", "sm_90", "sm_100")] == \
+        [None, device_code.stored_path(str(tmp_path), specific, "sm_90a"), None]
     # the bundle's script picks as the runtime does
     gen = _generate_script()
-    assert {a: gen.device_code_for(str(tmp_path), source, int(a[3:])) for a in picked} == picked
+    for src in (source, specific):
+        for a in ("sm_75", "sm_86", "sm_89", "sm_90", "sm_100"):
+            assert gen.device_code_for(str(tmp_path), src, int(a[3:])) == \
+                device_code.shipped_path(src, a), (src, a)
 
 
 @pytest.fixture(scope="module")

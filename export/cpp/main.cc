@@ -237,7 +237,8 @@ int ArchNumber(const std::string& name) {
 
 // The device code in `folder` for CUDA `source` on a GPU of compute capability `arch` (90):
 // of the files <sha256 of source>-<sm_XX[-sm_YY]>.fatbin, the one built for the newest
-// architecture not above `arch` (its PTX serves later GPUs); "" when there is none.
+// architecture not above `arch` (its PTX serves later GPUs, except an architecture-specific
+// build such as sm_90a, which serves its own only); "" when there is none.
 std::string DeviceCodeFor(const std::string& folder, const std::string& source, int arch) {
   std::string prefix = Sha256Hex(source) + "-", best;
   int best_arch = -1;
@@ -250,8 +251,9 @@ std::string DeviceCodeFor(const std::string& folder, const std::string& source, 
     }
     std::stringstream archs(name.substr(prefix.size(), name.size() - prefix.size() - ext.size()));
     for (std::string a; std::getline(archs, a, '-');) {
-      int built = ArchNumber(a);
-      if (built >= 0 && built <= arch && built > best_arch) {
+      int built = ArchNumber(a);   // (an architecture-specific build, sm_90a, serves its own)
+      bool specific = !a.empty() && std::isalpha(static_cast<unsigned char>(a.back()));
+      if (built >= 0 && built <= arch && (!specific || built == arch) && built > best_arch) {
         best_arch = built;
         best = entry.path().string();
       }

@@ -139,13 +139,15 @@ def read_checked(path):
 def device_code_for(folder, source, arch):
     """The path of the device code in `folder` for CUDA `source` on a GPU of compute capability
     `arch` (90 for sm_90): files are named <sha256 of the source>-<sm_XX[-sm_YY]>.fatbin; the one
-    built for the newest architecture not above `arch` (its PTX serves later GPUs). None when
-    there is none."""
+    built for the newest architecture not above `arch` (its PTX serves later GPUs, except an
+    architecture-specific build such as sm_90a, which serves its own only). None when there
+    is none."""
     digest = hashlib.sha256(source.encode()).hexdigest()
     best = None
     for path in glob.glob(os.path.join(glob.escape(folder), digest + "-*.fatbin")):
         built = os.path.basename(path)[len(digest) + 1:-len(".fatbin")].split("-")
-        fits = [b for b in map(_arch_number, built) if b is not None and b <= arch]
+        fits = [n for a, n in zip(built, map(_arch_number, built))   # ("sm_90a": its own only)
+                if n is not None and n <= arch and (not a[-1].isalpha() or n == arch)]
         if fits and (best is None or max(fits) > best[0]):
             best = (max(fits), path)
     return None if best is None else best[1]
