@@ -158,7 +158,12 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=0.9, top_k=40, seed=0, ta
     ok = diff <= TOL * scale
     print(f"max |logit difference| compiled vs PyTorch: {diff:.2e} (logits up to {scale:.1f}; "
           f"{'OK' if ok else 'FAIL'}, tolerance {TOL:g} of that)")
-    print(f"module: {path} (hla-tvm run it with --prompt TEXT)")
+    used = m.meta.get("schedules") or {}
+    how = (f"tuned records {used['records']} for {len(used.get('from_records', []))} kernels"
+           if used.get("records") else
+           f"default schedules (no tuned records for {used.get('target', 'this CPU')}; "
+           "`hla-tvm tune` makes them)")
+    print(f"module: {path} (hla-tvm run it with --prompt TEXT)\nschedules: {how}")
     return 0 if ok else 1
 
 

@@ -157,6 +157,8 @@ def set_threads(threads=None):
         threads = env or physical_cores()
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    elif threads > (os.cpu_count() or threads):   # (more workers than CPUs only contend)
+        raise ValueError(f"threads={threads} exceeds this machine's {os.cpu_count()} CPUs")
     if env < threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
     tvm.get_global_func("runtime.config_threadpool")(1, threads)
