@@ -44,7 +44,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     kernel; `hla` copies the state first (the caller's is left as it was).
     """
     if backend == "tvm":
-        _no_gradients(q, k, v, state, decay)
+        validate.no_gradients("backend='tvm'", q=q, k=k, v=v, state=state, decay=decay)
     if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
             and isinstance(return_state, bool):
         step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
@@ -77,21 +77,6 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts,
                               schedules)
     return (out, new_state) if return_state else out
-
-
-def _no_gradients(q, k, v, state, decay):
-    """ValueError when gradients are being recorded for any input: the compiled kernels compute
-    none, and a dropped gradient would train silently wrong."""
-    if not torch.is_grad_enabled():
-        return
-    tensors = [("q", q), ("k", k), ("v", v), ("decay", decay)]
-    if isinstance(state, dict):
-        tensors += [(f"state[{n!r}]", x) for n, x in state.items()]
-    for name, x in tensors:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(f"{name} requires grad, but backend='tvm' computes no gradients: "
-                             "use backend='torch' (differentiable) for training, or call it "
-                             "under torch.no_grad()")
 
 
 def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, mask,

@@ -390,6 +390,7 @@ def build_parser():
 
     p.add_argument("--version", action="version", version=f"hla-tvm {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p.commands = sub.choices   # name -> the command's parser (`main` reports its errors)
 
     def command(name, **kw):
         if "help" in kw:   # (its --help opens with what the command does)
@@ -634,10 +635,12 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:   # named by the command's own usage, not the top level's
-        commands = next(a for a in parser._actions
-                        if isinstance(a, argparse._SubParsersAction)).choices
-        commands.get(getattr(args, "command", None), parser).error(
+    if extra:   # after the command: named by the command's own usage, not the top level's
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = getattr(args, "command", None)
+        after = command in words and words.index(extra[0]) > words.index(command) \
+            if extra[0] in words else False
+        (parser.commands[command] if after else parser).error(
             f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()

@@ -35,10 +35,10 @@ def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2
     if dtype not in validate.FLOATS:
         raise TypeError(f"dtype must be the inputs' floating dtype, got {dtype}")
     try:
-        device = torch.device(device)
+        device = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got "
-                         f"{device!r} ({err})") from None
+                         f"{device!r} ({str(err).splitlines()[0]})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}: PyTorch sees no CUDA GPU here")
     op = operators.get(order, asymmetric)
@@ -212,6 +212,9 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
 
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
+    if torch.is_grad_enabled():
+        validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay,
+                              state=state if isinstance(state, dict) else None)
     plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
     try:

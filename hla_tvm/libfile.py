@@ -33,15 +33,39 @@ _ELF_MAGIC = b"\x7fELF"
 ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
 
 
-def elf_machine(path):
-    """The architecture an ELF shared library at `path` is built for; ValueError for files
-    that are not ELF."""
+def elf_machine_code(path):
+    """The ELF e_machine code of the file at `path`; ValueError for files that are not ELF."""
     with open(path, "rb") as f:
         head = f.read(20)
     if len(head) < 20 or head[:4] != _ELF_MAGIC:
         raise ValueError(f"{path}: not a shared library (no ELF header)")
-    code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+
+
+def elf_machine(path):
+    """The architecture an ELF shared library at `path` is built for (as `uname -m` names it);
+    ValueError for files that are not ELF."""
+    code = elf_machine_code(path)
     return ELF_MACHINES.get(code, f"machine {code}")
+
+
+_HOST_CODE: list = []
+
+
+def host_machine_code():
+    """The ELF e_machine code of this process's own executable (what a library must be built
+    for to load here), or None where it cannot be read."""
+    if not _HOST_CODE:
+        import sys
+
+        try:
+            _HOST_CODE.append(elf_machine_code("/proc/self/exe"))
+        except (OSError, ValueError):
+            try:
+                _HOST_CODE.append(elf_machine_code(os.path.realpath(sys.executable)))
+            except (OSError, ValueError):
+                _HOST_CODE.append(None)
+    return _HOST_CODE[0]
 
 
 def tag_of(text: str) -> bytes:
@@ -176,11 +200,10 @@ def load(path, tag: bytes | None = None, what="compiled module"):
     links), removed once mapped."""
     import tvm
 
-    from .target import is_host_arch
-
     digest = check(path, tag, what)
-    arch = elf_machine(path)
-    if not is_host_arch(arch):
+    code, host = elf_machine_code(path), host_machine_code()
+    if host is not None and code != host:
+        arch = ELF_MACHINES.get(code, f"machine {code}")
         raise ValueError(f"{path}: built for {arch}, not for this machine's architecture: run "
                          "it there (`hla-tvm bundle` packs it with that architecture's runtime)")
     real = os.path.realpath(path)

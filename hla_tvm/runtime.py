@@ -252,8 +252,10 @@ class CompiledModel:
     def save_state(self, state, path):
         """Write the state to the file `path` as it is named (an .npz archive: one array per
         entry, named as in state_spec), through a temporary file beside it."""
+        from .validate import output_path
+
         state = self._check_state(state, _batch_of(state), "save_state")
-        path = os.fspath(path)
+        path = output_path("path", path)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:   # (a file object: numpy adds no .npz to the name)

@@ -65,12 +65,32 @@ def real(name, value, *, low=None, low_open=False, high=None):
     return value
 
 
+def no_gradients(backend, **tensors):
+    """ValueError when gradients are being recorded for any of `tensors` (name -> tensor, or a
+    dict of them, or None): the compiled kernels compute none, and a dropped gradient would
+    train silently wrong."""
+    if not torch.is_grad_enabled():
+        return
+    for name, x in tensors.items():
+        items = x.items() if isinstance(x, dict) else [(None, x)]
+        for key, t in items:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                what = name if key is None else f"{name}[{key!r}]"
+                raise ValueError(f"{what} requires grad, but {backend} computes no gradients: "
+                                 "use hla(..., backend='torch') (differentiable) for training, "
+                                 "or call it under torch.no_grad()")
+
+
 def output_path(name, path):
     """`path` as a str: a file to write, checked before any work: not a folder, in a folder
     that exists and is writable."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{name} must be a file path, got {type(path).__name__}")
     path = os.fspath(path)
+    if isinstance(path, bytes):
+        raise TypeError(f"{name} must be a str or path, got bytes")
+    if not path:
+        raise ValueError(f"{name} must not be empty: give a file path")
     if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
         raise ValueError(f"{name} {path!r} is a folder: give a file path in it")
     folder = os.path.dirname(os.path.abspath(path))
@@ -92,11 +112,12 @@ def integer(name, value, *, choices=None, low=None):
 
 def decay(value, heads):
     """None, a float in (0, 1], or one value per head in (0, 1]: a tensor of shape [H] (a list,
-    tuple or numpy array of H numbers becomes a float64 tensor; a 0-d tensor is a float)."""
+    tuple or numpy array of H numbers becomes a float64 tensor; a 0-d tensor is a float, or
+    expanded to [H] when it requires grad)."""
     if value is None:
         return None
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        value = value.item()
+    if isinstance(value, torch.Tensor) and value.dim() == 0:   # (one value for every head)
+        value = value.expand(heads) if value.requires_grad else value.item()
     elif isinstance(value, (list, tuple)) or type(value).__module__ == "numpy":
         items = value.tolist() if hasattr(value, "tolist") else list(value)
         if not isinstance(items, list):   # (a 0-d numpy array)

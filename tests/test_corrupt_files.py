@@ -260,12 +260,15 @@ def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files
                           "export", "python", "generate.py")
     paths = [_damaged(folder / "model.so", tmp_path / f"{how}{s}.so", how, s, count=64)
              for how in ("truncate", "flip") for s in SEEDS[:3]]
+    from hla_tvm.libfile import ELF_MACHINES, host_machine_code
+
+    other = 62 if host_machine_code() == 183 else 183   # x86_64 on aarch64, else aarch64
     foreign = bytearray((folder / "model.so").read_bytes())
-    foreign[18:20] = (183).to_bytes(2, "little")   # EM_AARCH64
+    foreign[18:20] = other.to_bytes(2, "little")
     (tmp_path / "arm.so").write_bytes(bytes(foreign))
     shutil.copyfile(folder / "model.so", tmp_path / "model")
     cases = [(p, "corrupt|checksum trailer") for p in paths] + \
-        [(tmp_path / "arm.so", "compiled for aarch64, this machine is"),
+        [(tmp_path / "arm.so", f"compiled for {ELF_MACHINES[other]}, this machine is"),
          (tmp_path / "model", "must end in .so"), (tmp_path / "none.so", "cannot read it")]
     for path, want in cases:
         for cmd in ([sys.executable, script], [cpp_app]):
@@ -274,9 +277,11 @@ def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files
             assert run.returncode in (1, 2) and not run.stdout, (cmd, path, run.returncode)
             line = run.stderr.strip().splitlines()[-1]
             assert str(path.name) in line and re.search(want, line), (cmd, line)
-    # the runtime loads a module whatever its name ends in
+    # the runtime loads a module whatever its name ends in (through a name it then removes)
+    before = set(os.listdir(tmp_path))
     m = load(tmp_path / "model")
     assert m.decode(np.array([3]), m.init_state(1))[0].shape == (1, VOCAB)
+    assert set(os.listdir(tmp_path)) == before
 
 
 def test_state_file_keeps_its_name_and_other_numpy_files_are_refused(files, tmp_path):
@@ -287,6 +292,10 @@ def test_state_file_keeps_its_name_and_other_numpy_files_are_refused(files, tmp_
     _, state = m.prefill(np.arange(5).reshape(1, 5), m.init_state(1))
     m.save_state(state, tmp_path / "state")
     assert sorted(os.listdir(tmp_path)) == ["state"]
+    with pytest.raises(ValueError, match="does not exist or is not writable"):
+        m.save_state(state, tmp_path / "no" / "state")
+    with pytest.raises(ValueError, match="is a folder"):
+        m.save_state(state, tmp_path)
     back = m.load_state(tmp_path / "state")
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(state, back))
     np.save(tmp_path / "one.npy", np.zeros(3))

@@ -1,10 +1,15 @@
 """Bad input raises a clear ValueError/TypeError/NotImplementedError naming the argument,
 before any kernel runs."""
+import platform
+
 import pytest
 import torch
 
 from hla_tvm import hla
 from hla_tvm.reference import hla2 as ref
+
+# a CPU target of another architecture than this machine's
+FOREIGN = "x86-64" if platform.machine() in ("aarch64", "arm64") else "aarch64"
 
 
 def qkv(B=1, H=2, T=5, dk=4, dv=3, dtype=torch.float32):
@@ -51,8 +56,7 @@ def test_heads_must_divide():
     (dict(decay=(0.9, "x")), TypeError, r"decay\[1\] must be a real number"),
     (dict(decay=[0.9, 1.5]), ValueError, r"decay\[1\] must be <= 1"),
     (dict(decay="x"), TypeError, "decay must be a real number or one value per head"),
-    (dict(target="aarch64"), ValueError, "builds code for aarch64, which this machine cannot "
-                                         "run"),
+    (dict(target=FOREIGN), ValueError, "which this machine cannot run"),
     (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(masked=1), TypeError, "masked must be a bool"),
@@ -143,6 +147,16 @@ def test_the_kernels_refuse_inputs_recording_gradients():
         assert torch.allclose(hla(q, k, v), hla(q, k, v, backend="torch"), atol=1e-5)
     hla(q, k, v, backend="torch").sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+    from hla_tvm import decode_, init_state
+
+    st = init_state(1, 2, 4, 3, device=None)   # (None: the CPU)
+    with pytest.raises(ValueError, match="q requires grad, but decode_ computes no gradients"):
+        decode_(q[:, :, 0], k[:, :, 0], v[:, :, 0], st)
+    g = torch.tensor(0.9, requires_grad=True)   # one decay for every head, differentiated
+    with pytest.raises(ValueError, match="decay requires grad"):
+        hla(q.detach(), k, v, decay=g)
+    hla(q.detach(), k, v, decay=g, backend="torch").sum().backward()
+    assert g.grad is not None and torch.isfinite(g.grad)
 
 
 def test_init_state_names_a_bad_device():

@@ -158,51 +158,80 @@ std::string ReadFile(const std::string& path) {
   return out.str();
 }
 
-// SHA-256 (FIPS 180-4) of `data`, as 64 lowercase hex digits.
-std::string Sha256Hex(const std::string& data) {
-  static const uint32_t k[64] = {
-      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
-      0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
-      0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
-      0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
-      0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
-      0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
-      0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
-      0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-      0xc67178f2};
-  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
-  std::string msg = data;   // padded: a 1 bit, zeros, the length in bits (big-endian)
-  msg.push_back(static_cast<char>(0x80));
-  while (msg.size() % 64 != 56) msg.push_back('\0');
-  uint64_t bits = static_cast<uint64_t>(data.size()) * 8;
-  for (int i = 7; i >= 0; --i) msg.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
-  for (size_t block = 0; block < msg.size(); block += 64) {
+// SHA-256 (FIPS 180-4), fed in pieces: Update(data, n) ..., then Hex() (64 lowercase hex
+// digits; once).
+class Sha256 {
+ public:
+  void Update(const char* data, size_t n) {
+    length_ += n;
+    for (size_t i = 0; i < n; ++i) {
+      block_[fill_++] = static_cast<unsigned char>(data[i]);
+      if (fill_ == 64) Compress();
+    }
+  }
+  std::string Hex() {
+    uint64_t bits = length_ * 8;   // padded: a 1 bit, zeros, the length in bits (big-endian)
+    unsigned char one = 0x80, zero = 0;
+    Update(reinterpret_cast<const char*>(&one), 1);
+    while (fill_ != 56) Update(reinterpret_cast<const char*>(&zero), 1);
+    for (int i = 7; i >= 0; --i) {
+      unsigned char b = static_cast<unsigned char>((bits >> (8 * i)) & 0xff);
+      Update(reinterpret_cast<const char*>(&b), 1);
+    }
+    std::ostringstream hex;
+    for (uint32_t v : h_) hex << std::hex << std::setw(8) << std::setfill('0') << v;
+    return hex.str();
+  }
+
+ private:
+  static uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+  void Compress() {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2};
     uint32_t w[64];
     for (int i = 0; i < 16; ++i) {
-      const unsigned char* p = reinterpret_cast<const unsigned char*>(msg.data()) + block + 4 * i;
+      const unsigned char* p = block_ + 4 * i;
       w[i] = (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | p[3];
     }
     for (int i = 16; i < 64; ++i) {
-      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = Rotr(w[i - 2], 17) ^ Rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
       w[i] = w[i - 16] + s0 + w[i - 7] + s1;
     }
-    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6],
+             hh = h_[7];
     for (int i = 0; i < 64; ++i) {
-      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] +
+      uint32_t t1 = hh + (Rotr(e, 6) ^ Rotr(e, 11) ^ Rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] +
                     w[i];
-      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      uint32_t t2 = (Rotr(a, 2) ^ Rotr(a, 13) ^ Rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
       hh = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
     }
     uint32_t add[8] = {a, b, c, d, e, f, g, hh};
-    for (int i = 0; i < 8; ++i) h[i] += add[i];
+    for (int i = 0; i < 8; ++i) h_[i] += add[i];
+    fill_ = 0;
   }
-  std::ostringstream hex;
-  for (uint32_t v : h) hex << std::hex << std::setw(8) << std::setfill('0') << v;
-  return hex.str();
+
+  uint32_t h_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  unsigned char block_[64];
+  size_t fill_ = 0;
+  uint64_t length_ = 0;
+};
+
+// SHA-256 of `data`, as 64 lowercase hex digits.
+std::string Sha256Hex(const std::string& data) {
+  Sha256 s;
+  s.Update(data.data(), data.size());
+  return s.Hex();
 }
 
 // Where `hla-tvm compile` puts a CUDA module's device code: model.so -> model.device.
@@ -338,39 +367,72 @@ DLDataType ParseDType(const std::string& s) {
   throw std::runtime_error("state dtype " + s + " is not supported by this app");
 }
 
+// The ELF e_machine code in a file's first 20 bytes `h`, or -1 for a file that is not ELF.
+int MachineCode(const unsigned char* h, size_t n) {
+  if (n < 20 || h[0] != 0x7f || h[1] != 'E' || h[2] != 'L' || h[3] != 'F') return -1;
+  return h[5] == 1 ? h[18] | (h[19] << 8) : (h[18] << 8) | h[19];
+}
+
+// The first `n` bytes of the file at `path` (fewer for a shorter file).
+std::string ReadHead(const std::string& path, size_t n) {
+  std::ifstream f(path, std::ios::binary);
+  std::string head(n, '\0');
+  f.read(head.data(), static_cast<std::streamsize>(n));
+  head.resize(f ? n : static_cast<size_t>(f.gcount()));
+  return head;
+}
+
 // Refuse a file that is not a whole, unmodified module written by `hla-tvm compile` for this
 // machine's architecture (a truncated library would kill the process when mapped, an altered one
 // compute wrong answers). The trailer, as `hla_tvm.libfile` writes it: "HLATVMSL", a tag (32
-// bytes), the sha256 of every byte before the trailer (32 bytes), "HLATVMEN".
+// bytes), the sha256 of every byte before the trailer (32 bytes), "HLATVMEN". The file is
+// hashed as it is read, a block at a time.
 void CheckModule(const std::string& path) {
-  std::ifstream probe(path, std::ios::binary);
-  if (!probe) throw std::runtime_error(path + ": cannot read it (" + std::strerror(errno) + ")");
-  probe.close();
-  std::string data = ReadFile(path);
-  const size_t trailer = 80;
-  if (data.size() < 20 || data.compare(0, 4, "\x7f" "ELF") != 0) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw std::runtime_error(path + ": cannot read it (" + std::strerror(errno) + ")");
+  const size_t trailer = 80, size = static_cast<size_t>(f.tellg());
+  std::string head = ReadHead(path, 20);
+  int code = MachineCode(reinterpret_cast<const unsigned char*>(head.data()), head.size());
+  if (code < 0) {
     throw std::runtime_error(path + ": not a compiled module (no ELF shared-library header)");
   }
-  const unsigned char* h = reinterpret_cast<const unsigned char*>(data.data());
-  int code = h[5] == 1 ? h[18] | (h[19] << 8) : (h[18] << 8) | h[19];
-  std::string arch = code == 62 ? "x86_64" : code == 183 ? "aarch64" : code == 40 ? "arm" :
-                     code == 243 ? "riscv64" : "machine " + std::to_string(code);
-  utsname host;
-  if (uname(&host) == 0 && arch != host.machine) {
+  std::string self = ReadHead("/proc/self/exe", 20);   // what this process runs as
+  int host = MachineCode(reinterpret_cast<const unsigned char*>(self.data()), self.size());
+  if (host >= 0 && code != host) {
+    std::string arch = code == 62 ? "x86_64" : code == 183 ? "aarch64" : code == 40 ? "arm" :
+                       code == 243 ? "riscv64" : "machine " + std::to_string(code);
+    utsname name;
     throw std::runtime_error(path + " was compiled for " + arch + ", this machine is " +
-                             host.machine + ": run it (or its bundle) there");
+                             (uname(&name) == 0 ? name.machine : "another") +
+                             ": run it (or its bundle) there");
   }
-  size_t n = data.size();
-  if (n < 64 + trailer || data.compare(n - trailer, 8, "HLATVMSL") != 0 ||
-      data.compare(n - 8, 8, "HLATVMEN") != 0) {
+  std::string tail(trailer, '\0');
+  if (size >= trailer) {
+    f.seekg(static_cast<std::streamoff>(size - trailer));
+    f.read(tail.data(), trailer);
+  }
+  if (size < 64 + trailer || !f || tail.compare(0, 8, "HLATVMSL") != 0 ||
+      tail.compare(trailer - 8, 8, "HLATVMEN") != 0) {
     throw std::runtime_error(path + ": the module has no hla_tvm checksum trailer (truncated, "
                              "or not written by `hla-tvm compile`)");
   }
-  std::ostringstream want;
-  for (size_t i = n - trailer + 40; i < n - trailer + 72; ++i) {
-    want << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(h[i]);
+  Sha256 digest;
+  f.seekg(0);
+  std::vector<char> block(1 << 20);
+  for (size_t left = size - trailer; left;) {
+    size_t n = std::min(left, block.size());
+    if (!f.read(block.data(), static_cast<std::streamsize>(n))) {
+      throw std::runtime_error(path + ": cannot read it whole");
+    }
+    digest.Update(block.data(), n);
+    left -= n;
   }
-  if (Sha256Hex(data.substr(0, n - trailer)) != want.str()) {
+  std::ostringstream want;
+  for (size_t i = 40; i < 72; ++i) {
+    want << std::hex << std::setw(2) << std::setfill('0')
+         << static_cast<int>(static_cast<unsigned char>(tail[i]));
+  }
+  if (digest.Hex() != want.str()) {
     throw std::runtime_error(path + ": the module is corrupt (its sha256 does not match the "
                              "checksum recorded when it was compiled)");
   }
@@ -388,8 +450,12 @@ ffi::Module Load(const std::string& path, const std::string& folder) {
                                folder + ") is not beside it: copy that folder along");
     }
     bool so = path.size() > 3 && path.compare(path.size() - 3, 3, ".so") == 0;
+    while (!what.empty() && std::isspace(static_cast<unsigned char>(what.back()))) {
+      what.pop_back();
+    }
+    size_t line = what.find_last_of('\n');
     throw std::runtime_error(path + ": not a loadable module (" +
-                             what.substr(what.find_last_of('\n') + 1) + ")" +
+                             (line == std::string::npos ? what : what.substr(line + 1)) + ")" +
                              (so ? "" : "; its name must end in .so"));
   }
 }

@@ -75,6 +75,18 @@ TRAILER = 80
 ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
 
 
+def _machine_code(path):
+    """The ELF e_machine code of the file at `path`, or None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+
+
 def check_module(path):
     """Refuse (ValueError, one line) a file that is not a whole, unmodified module written by
     `hla-tvm compile` for this machine's architecture: a truncated library would kill the
@@ -88,8 +100,9 @@ def check_module(path):
             if len(head) < 20 or head[:4] != b"\x7fELF":
                 raise ValueError(f"{path}: not a compiled module (no ELF shared-library header)")
             code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
-            arch = ELF_MACHINES.get(code, f"machine {code}")
-            if arch != platform.machine():
+            host = _machine_code("/proc/self/exe")   # (what this process runs as)
+            if host is not None and code != host:
+                arch = ELF_MACHINES.get(code, f"machine {code}")
                 raise ValueError(f"{path} was compiled for {arch}, this machine is "
                                  f"{platform.machine()}: run it (or its bundle) there")
             if size < 64 + TRAILER or trailer[:8] != b"HLATVMSL" or trailer[-8:] != b"HLATVMEN":
@@ -243,8 +256,8 @@ def load(path, runtime_lib=None):
             raise ValueError(f"{path} was compiled for an NVIDIA GPU, but its device code "
                              f"({folder}) is not beside it: copy that folder along") from None
         hint = "" if path.endswith(".so") else "; its name must end in .so"
-        raise ValueError(f"{path}: not a loadable module ({str(err).splitlines()[-1]}){hint}") \
-            from None
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise ValueError(f"{path}: not a loadable module ({why}){hint}") from None
     init = [device.dlpack_device_type(), device.index, POOLED]
     if init[0] != KDL_CPU:
         init += [KDL_CPU, 0, POOLED]   # the host, for the model's shape computations
@@ -324,8 +337,9 @@ def main(argv=None):
         p.error("--steps must be positive, --temperature and --top-k >= 0, ids >= 0")
     try:
         vm, meta, tensors = load(args.module, args.runtime_lib)
-    except (OSError, ValueError) as err:
-        p.error(f"cannot load {args.module}: {err}")
+    except (OSError, ValueError) as err:   # one line, as the C++ app says it
+        print(f"generate.py: {err}", file=sys.stderr)
+        return 1
     vocab = meta.get("vocab_size")
     if vocab and max(prompt) >= vocab:
         p.error(f"prompt ids must lie below the vocabulary size {vocab}")
