@@ -691,7 +691,11 @@ def prepare_models(bundle, arch):
         if checkpoint is None:
             torch.manual_seed(0)
             checkpoint = os.path.join(bundle, "models", f"{name}.pt")
-            HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99]).save(checkpoint)
+            tiny = HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99])
+            with torch.no_grad():   # larger weights: greedy tokens that depend on the context
+                for p in tiny.parameters():   # (at init the tiny model repeats one token)
+                    p.mul_(4)
+            tiny.save(checkpoint)
         else:
             shutil.copy2(checkpoint, os.path.join(bundle, "models", f"{name}.pt"))
         t0 = time.time()
