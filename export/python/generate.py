@@ -135,7 +135,9 @@ def _arch_number(name):
 
 def read_checked(path):
     """The bytes of the device code at `path`; ValueError unless they match the sha256 kept
-    beside them (path + ".sha256")."""
+    beside them (path + ".sha256"). (`hla_tvm.device_code` writes and reads this format; the
+    script repeats its check, the pick rule and libfile's trailer because it imports nothing
+    of hla_tvm.)"""
     with open(path, "rb") as f:
         data = f.read()
     try:
