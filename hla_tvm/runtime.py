@@ -252,7 +252,7 @@ class CompiledModel:
     def save_state(self, state, path):
         """Write the state to the file `path` as it is named (an .npz archive: one array per
         entry, named as in state_spec), through a temporary file beside it."""
-        from .validate import output_path
+        from .paths import output_path
 
         state = self._check_state(state, _batch_of(state), "save_state")
         path = output_path("path", path)
