@@ -180,26 +180,26 @@ def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
     from .device_code import cudart_path
 
     shutil.copy2(module, os.path.join(out, "model.so"))
-    cudart = None
-    if device_code is not None:
-        shutil.copytree(device_code, os.path.join(out, "model.device"))
-        lib = os.path.join(out, "runtime", "tvm", "lib")
-        os.makedirs(lib)
-        shutil.copy2(os.path.join(tvm_root, "lib", CUDA_LIB), os.path.join(lib, CUDA_LIB))
-        cudart = cudart_path()
-        if cudart is not None and elf_machine(cudart) == arch:   # found beside it ($ORIGIN)
-            shutil.copy2(cudart, os.path.join(lib, os.path.basename(cudart)))
-        else:
-            cudart = None
     src = export_sources()
     shutil.copytree(os.path.join(src, "cpp"), os.path.join(out, "cpp"),
                     ignore=shutil.ignore_patterns("build*"))
     shutil.copy2(os.path.join(src, "python", "generate.py"), os.path.join(out, "generate.py"))
-    for root, lib in ((tvm_root, "libtvm_runtime.so"), (ffi_root, "libtvm_ffi.so")):
+    gpu_libs = [CUDA_LIB] if device_code is not None else []
+    for root, libs in ((tvm_root, ["libtvm_runtime.so", *gpu_libs]), (ffi_root, ["libtvm_ffi.so"])):
         dst = os.path.join(out, "runtime", os.path.basename(root))
-        os.makedirs(os.path.join(dst, "lib"), exist_ok=True)
-        shutil.copy2(os.path.join(root, "lib", lib), os.path.join(dst, "lib", lib))
+        os.makedirs(os.path.join(dst, "lib"))
+        for lib in libs:
+            shutil.copy2(os.path.join(root, "lib", lib), os.path.join(dst, "lib", lib))
         shutil.copytree(os.path.join(root, "include"), os.path.join(dst, "include"))
+    cudart = None
+    if device_code is not None:
+        shutil.copytree(device_code, os.path.join(out, "model.device"))
+        cudart = cudart_path()
+        if cudart is not None and elf_machine(cudart) == arch:   # found beside it ($ORIGIN)
+            shutil.copy2(cudart, os.path.join(out, "runtime", os.path.basename(tvm_root), "lib",
+                                              os.path.basename(cudart)))
+        else:
+            cudart = None
     info = {"module": os.path.basename(module), "arch": arch,
             "device": "cuda" if device_code is not None else "cpu",
             "gpu": (meta or {}).get("schedules", {}).get("target") if device_code else None,

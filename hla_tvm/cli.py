@@ -210,10 +210,9 @@ def _compile(args):
 
 
 def _export_onnx(args):
+    from . import validate
     from .models import HLALM
     from .onnx import export
-
-    from . import validate
 
     validate.output_path("-o", args.output)
     model = HLALM.load(args.checkpoint)
@@ -638,8 +637,7 @@ def main(argv=None):
     if extra:   # after the command: named by the command's own usage, not the top level's
         words = list(sys.argv[1:] if argv is None else argv)
         command = getattr(args, "command", None)
-        after = command in words and words.index(extra[0]) > words.index(command) \
-            if extra[0] in words else False
+        after = command in words and extra[0] in words[words.index(command) + 1:]
         (parser.commands[command] if after else parser).error(
             f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

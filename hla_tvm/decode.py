@@ -212,9 +212,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
 
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
-    if torch.is_grad_enabled():
-        validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay,
-                              state=state if isinstance(state, dict) else None)
+    validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
     plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
     try:

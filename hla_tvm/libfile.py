@@ -15,6 +15,7 @@ its end and kill the process with SIGBUS on first use, and flipped bytes would l
 wrong answers. It needs only the standard library (the runtime-only path uses it)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -42,30 +43,29 @@ def elf_machine_code(path):
     return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
 
 
-def elf_machine(path):
-    """The architecture an ELF shared library at `path` is built for (as `uname -m` names it);
-    ValueError for files that are not ELF."""
-    code = elf_machine_code(path)
+def machine_name(code):
+    """The architecture of ELF e_machine `code`, as `uname -m` names it."""
     return ELF_MACHINES.get(code, f"machine {code}")
 
 
-_HOST_CODE: list = []
+def elf_machine(path):
+    """The architecture an ELF shared library at `path` is built for (`machine_name`);
+    ValueError for files that are not ELF."""
+    return machine_name(elf_machine_code(path))
 
 
+@functools.lru_cache(maxsize=None)
 def host_machine_code():
     """The ELF e_machine code of this process's own executable (what a library must be built
     for to load here), or None where it cannot be read."""
-    if not _HOST_CODE:
-        import sys
+    import sys
 
+    for exe in ("/proc/self/exe", os.path.realpath(sys.executable)):
         try:
-            _HOST_CODE.append(elf_machine_code("/proc/self/exe"))
+            return elf_machine_code(exe)
         except (OSError, ValueError):
-            try:
-                _HOST_CODE.append(elf_machine_code(os.path.realpath(sys.executable)))
-            except (OSError, ValueError):
-                _HOST_CODE.append(None)
-    return _HOST_CODE[0]
+            continue
+    return None
 
 
 def tag_of(text: str) -> bytes:
@@ -203,9 +203,9 @@ def load(path, tag: bytes | None = None, what="compiled module"):
     digest = check(path, tag, what)
     code, host = elf_machine_code(path), host_machine_code()
     if host is not None and code != host:
-        arch = ELF_MACHINES.get(code, f"machine {code}")
-        raise ValueError(f"{path}: built for {arch}, not for this machine's architecture: run "
-                         "it there (`hla-tvm bundle` packs it with that architecture's runtime)")
+        raise ValueError(f"{path}: built for {machine_name(code)}, not for this machine's "
+                         "architecture: run it there (`hla-tvm bundle` packs it with that "
+                         "architecture's runtime)")
     real = os.path.realpath(path)
     with _LOADED_LOCK:
         seen = _LOADED.get(real)

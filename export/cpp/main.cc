@@ -391,7 +391,9 @@ void CheckModule(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error(path + ": cannot read it (" + std::strerror(errno) + ")");
   const size_t trailer = 80, size = static_cast<size_t>(f.tellg());
-  std::string head = ReadHead(path, 20);
+  std::string head(std::min<size_t>(size, 20), '\0');
+  f.seekg(0);
+  f.read(head.data(), static_cast<std::streamsize>(head.size()));
   int code = MachineCode(reinterpret_cast<const unsigned char*>(head.data()), head.size());
   if (code < 0) {
     throw std::runtime_error(path + ": not a compiled module (no ELF shared-library header)");
