@@ -15,7 +15,7 @@ import torch
 from . import build
 from .kernels import chains
 from .operators import state_dtype
-from .validate import aligned
+from .validate import ALIGN, aligned
 
 
 TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -131,8 +131,8 @@ def functions(chain, mod, dk, dv, group=1):
     return [mod[chains.kernel_name(chain, call, dk, dv, group)] for call in chain.calls]
 
 
-# Scratch (per-chunk summaries and records) a prefill call may hold: longer inputs run in
-# consecutive segments, each advancing the state in place, so memory does not grow with T.
+# Scratch (per-chunk summaries and records) a prefill call may hold: larger inputs run in parts
+# (`_parts`), each advancing its slice of the state in place, so memory does not grow with T.
 SCRATCH_BYTES = 128 << 20
 
 
@@ -149,22 +149,70 @@ def segment_tokens(chain, B, H, dk, dv, chunk_size, acc):
     return chunk_size * max(1, SCRATCH_BYTES // per_chunk)
 
 
-def _segmented(chain, q, k, v, chunk_size, run):
-    """o [B, H, T, dv]: run(q, k, v, o) on the whole input, or on consecutive segments of
-    `segment_tokens` (each continuing the state the one before left)."""
+def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
+    """The (batch, head) blocks a CPU prefill runs one after another, as (b0, b1, h0, h1):
+    the whole input where its scratch fits SCRATCH_BYTES, else rows of whole batch entries,
+    else blocks of whole head groups (H / Hkv heads) of one entry, the fewest that fit, of
+    even sizes. Each block's q, k, v,
+    output and state are contiguous slices of the caller's tensors (no copies); a block whose
+    scratch still exceeds the budget (a single group over a very long T) runs in segments of
+    T (`segment_tokens`)."""
+    group = H // Hkv
+    per_head = math.ceil(T / chunk_size) * scratch_per_chunk(chain, dk, dv, chunk_size) * \
+        (torch.finfo(acc).bits // 8)
+    fit = SCRATCH_BYTES // per_head   # heads whose whole-T scratch fits
+    if fit >= B * H:
+        return [(0, B, 0, H)]
+    if fit >= H:   # as many rows as fit, spread evenly
+        rows = -(-B // -(-B // (fit // H)))
+        return [(b, min(B, b + rows), 0, H) for b in range(0, B, rows)]
+    groups = max(1, fit // group)   # whole groups that fit, spread evenly
+    heads = group * -(-(H // group) // -(-(H // group) // groups))
+    return [(b, b + 1, h, min(H, h + heads)) for b in range(B) for h in range(0, H, heads)]
+
+
+def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
+    """o [B, H, T, dv]: run(env, o) (env: q, k, v, gamma and `state`'s entries, as
+    `run_chain` reads them) on the whole input, or on its parts: on a CPU the (batch, head)
+    blocks of `head_blocks`, slices of the caller's tensors; on a GPU, where a block of fewer
+    heads would leave the scans' lanes idle, consecutive segments of T (copies), each
+    continuing the state the one before left."""
+    B, H, T, dk = q.shape
+    Hkv, dv = k.shape[1], v.shape[-1]
+    acc = state_dtype(q.dtype)
+    out = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
+    blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc) \
+        if q.device.type == "cpu" else [(0, B, 0, H)]
+    group = H // Hkv
+    for b0, b1, h0, h1 in blocks:
+        kv = slice(h0 // group, h1 // group)
+        part = {name: x[b0:b1, h0:h1] if x.shape[1] == H else x[b0:b1, kv]
+                for name, x in state.items()}
+        env = {name: aligned(x) for name, x in part.items()}   # an unaligned slice: a copy
+        env["gamma"] = None if gamma is None else aligned(gamma[h0:h1])
+        _run_segments(chain, q[b0:b1, h0:h1], k[b0:b1, kv], v[b0:b1, kv], env,
+                      out[b0:b1, h0:h1], chunk_size, run)
+        for name, x in part.items():
+            if env[name] is not x:
+                x.copy_(env[name])
+    return out
+
+
+def _run_segments(chain, q, k, v, env, out, chunk_size, run):
+    """run(env with q, k, v, out) over the whole of T, or over consecutive segments of
+    `segment_tokens` (copies of the inputs' slices), the state in env carried between them."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    out = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
     seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype))
-    if T <= seg:
-        run(q, k, v, out)
-        return out
     for start in range(0, T, seg):
         end = min(T, start + seg)
-        part = torch.empty(B, H, end - start, dv, dtype=q.dtype, device=q.device)
-        run(*(aligned(x[:, :, start:end].contiguous()) for x in (q, k, v)), part)
-        out[:, :, start:end] = part
-    return out
+        qs, ks, vs, os_ = (x[:, :, start:end] for x in (q, k, v, out))
+        dst = os_ if os_.is_contiguous() and os_.data_ptr() % ALIGN == 0 else \
+            torch.empty(os_.shape, dtype=out.dtype, device=out.device)
+        run(dict(env, q=aligned(qs.contiguous()), k=aligned(ks.contiguous()),
+                 v=aligned(vs.contiguous())), dst)
+        if dst is not os_:
+            os_.copy_(dst)
 
 
 class _Scratch(threading.local):
@@ -260,7 +308,6 @@ def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto",
     mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, schedules=schedules,
                  **opts)
     fns = functions(chain, mod, dk, dv, group)
-    base = {"gamma": gamma, **state}
     with on_stream(q.device):
-        return _segmented(chain, q, k, v, chunk_size, lambda q, k, v, out: run_chain(
-            chain, fns, dict(base, q=q, k=k, v=v), out, chunk_size))
+        return _segmented(chain, q, k, v, gamma, state, chunk_size,
+                          lambda env, out: run_chain(chain, fns, env, out, chunk_size))

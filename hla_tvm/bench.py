@@ -10,7 +10,11 @@ prefill: tvm (`hla`), torch (`fast.chunk`: every chunk at once, with or without 
          torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
          quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
          function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
-         rate, GFLOP/s)"""
+         rate, GFLOP/s)
+
+Every timed run starts once the process's threads are idle (`settle`): the
+thread pools of PyTorch and ONNX Runtime spin on after their work and would take the cores
+from the next case."""
 from __future__ import annotations
 
 import importlib.util
@@ -32,6 +36,18 @@ def _measure(fn, runs, number=1, probe=None):
     return statistics.median(times), min(times)
 
 
+def settle(most=1.0, window=0.005):
+    """Wait, up to `most` seconds, until this process's threads are idle (under a tenth of a
+    core over `window` seconds): thread pools (PyTorch's OpenMP workers, ONNX Runtime's) keep
+    spinning for a while after their work, taking the cores from whatever runs next."""
+    end = time.perf_counter() + most
+    while time.perf_counter() < end:
+        c0 = time.process_time()
+        time.sleep(window)
+        if time.process_time() - c0 < window / 10:
+            return
+
+
 def _measure_rounds(cases, runs, number=1, probe=None):
     """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
     rounds (each round times `number` calls of every case in turn), after each case's warm-up
@@ -46,6 +62,7 @@ def _measure_rounds(cases, runs, number=1, probe=None):
     times = {name: [] for name in cases}
     for _ in range(runs):
         for name, fn in cases.items():
+            settle()
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()

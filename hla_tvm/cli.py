@@ -429,7 +429,8 @@ def build_parser():
                             "softmax), onnxruntime (one exported hla_tvm::HLA node, where "
                             "onnxruntime is installed), and this machine's sgemm rate. The "
                             "cases are timed in rounds (each once per round), so a noisy "
-                            "machine's slow spells fall on all of them. With "
+                            "machine's slow spells fall on all of them, each run starting once the "
+                            "threads of the case before are idle. With "
                             "--kv-heads the PyTorch forms repeat k, v for each group.")
     b.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
                    help="what to time")

@@ -105,6 +105,43 @@ def test_long_inputs_run_in_segments(op, decay, monkeypatch):
 
 
 @pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("fit", ["rows", "groups"])
+def test_large_inputs_run_in_head_blocks(op, fit, monkeypatch):
+    """With a scratch budget for whole batch rows, or for one head group, a CPU prefill runs
+    (batch, head) blocks in turn on slices of the caller's tensors (state slices of head size 4
+    start off the 64-byte alignment: copied and written back), and equals the float64 serial
+    recurrence from a nonzero state, per-head decay, grouped heads."""
+    from hla_tvm import backend
+    from hla_tvm.kernels import chains
+
+    ref, kw = OPS[op]
+    B, H, group, T, d, n = 3, 4, 2, 40, 4, 16
+    per_head = 3 * backend.scratch_per_chunk(chains.prefill("hla2d" if op == "hla2" else op),
+                                             d, d, n) * 4
+    monkeypatch.setattr(backend, "SCRATCH_BYTES", per_head * (H if fit == "rows" else group))
+    blocks = backend.head_blocks(chains.prefill("hla2d" if op == "hla2" else op), B, H,
+                                 H // group, T, d, d, n, torch.float32)
+    assert blocks == ([(b, b + 1, 0, H) for b in range(B)] if fit == "rows" else
+                      [(b, b + 1, h, h + group) for b in range(B) for h in (0, group)])
+    dec = torch.tensor([0.9, 0.7]).repeat_interleave(group)
+    q, _, _ = make_qkv(B, H, T, d, d, seed=11)
+    _, k, v = make_qkv(B, H // group, T, d, d, seed=12)
+    q0, _, _ = make_qkv(B, H, 5, d, d, seed=13)
+    _, k0, v0 = make_qkv(B, H // group, 5, d, d, seed=14)
+    full = lambda x: x.repeat_interleave(group, 1)  # noqa: E731
+    st0 = ref.serial(q0, full(k0), full(v0), decay=dec)[1]
+    want, want_st = ref.serial(q, full(k), full(v), decay=dec, state=st0)
+    given = {name: (x[:, ::group] if name in KV_STATE[op] else x).float().contiguous()
+             for name, x in st0.items()}
+    out, st = hla(q.float(), k.float(), v.float(), decay=dec, state=given, return_state=True,
+                  chunk_size=n, **kw)
+    assert rel_err(out, want) <= 1e-4
+    for name, x in st.items():
+        assert rel_err(x, want_st[name][:, ::group] if name in KV_STATE[op] else
+                       want_st[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("op", list(OPS))
 def test_one_head_many_chunks(op):
     """B = H = 1 over many chunks: the sequential scans over chunks must not be split across
     threads (a schedule that ran the chunk loop in parallel gave a 33% error for third order)."""
