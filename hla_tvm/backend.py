@@ -143,10 +143,20 @@ def scratch_per_chunk(chain, dk, dv, n):
                for kind in chain.kinds().values() if kind != "o")
 
 
-def segment_tokens(chain, B, H, dk, dv, chunk_size, acc):
-    """Tokens per segment: whole chunks whose scratch fits in SCRATCH_BYTES; at least one."""
+def segment_tokens(chain, B, H, dk, dv, chunk_size, acc, budget=None):
+    """Tokens per segment: whole chunks whose scratch fits in `budget` bytes (None:
+    SCRATCH_BYTES); at least one."""
     per_chunk = B * H * scratch_per_chunk(chain, dk, dv, chunk_size) * (torch.finfo(acc).bits // 8)
-    return chunk_size * max(1, SCRATCH_BYTES // per_chunk)
+    return chunk_size * max(1, (budget or SCRATCH_BYTES) // per_chunk)
+
+
+def gpu_scratch_budget(device):
+    """Scratch bytes a prefill on CUDA `device` may hold: an eighth of the GPU's memory, at most
+    half of what is free now, at least SCRATCH_BYTES. A GPU runs long inputs in segments of T
+    (`_segmented`), each a round of kernel launches over fewer chunks; 128 MB made 103 segments
+    of second order at B1 H32 T32768 D128 (the whole chain's scratch: 12.9 GB)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(SCRATCH_BYTES, min(total // 8, free // 2))
 
 
 def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
@@ -175,8 +185,8 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
     """o [B, H, T, dv]: run(env, o) (env: q, k, v, gamma and `state`'s entries, as
     `run_chain` reads them) on the whole input, or on its parts: on a CPU the (batch, head)
     blocks of `head_blocks`, slices of the caller's tensors; on a GPU, where a block of fewer
-    heads would leave the scans' lanes idle, consecutive segments of T (copies), each
-    continuing the state the one before left."""
+    heads would leave the scans' lanes idle, consecutive segments of T within
+    `gpu_scratch_budget` (copies), each continuing the state the one before left."""
     B, H, T, dk = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     acc = state_dtype(q.dtype)
@@ -200,10 +210,12 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
 
 def _run_segments(chain, q, k, v, env, out, chunk_size, run):
     """run(env with q, k, v, out) over the whole of T, or over consecutive segments of
-    `segment_tokens` (copies of the inputs' slices), the state in env carried between them."""
+    `segment_tokens` (copies of the inputs' slices; on a GPU within `gpu_scratch_budget`), the
+    state in env carried between them."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype))
+    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype),
+                         None if q.device.type == "cpu" else gpu_scratch_budget(q.device))
     for start in range(0, T, seg):
         end = min(T, start + seg)
         qs, ks, vs, os_ = (x[:, :, start:end] for x in (q, k, v, out))

@@ -104,6 +104,26 @@ def test_long_inputs_run_in_segments(op, decay, monkeypatch):
         assert rel_err(st[name], x) < 1e-4, name
 
 
+def test_gpu_scratch_budget(monkeypatch):
+    """A GPU prefill may hold an eighth of the GPU's memory as scratch, at most half of what is
+    free, never less than the CPU's budget: the goal's second order at B1 H32 T32768 D128
+    (12.9 GB of scratch) runs in one segment on an idle 141 GB GPU, not 103."""
+    from hla_tvm import backend
+    from hla_tvm.kernels import chains
+
+    gib = 1 << 30
+    cuda = torch.device("cuda", 0)
+    for free, total, want in ((140 * gib, 141 * gib, 141 * gib // 8), (10 * gib, 141 * gib, 5 * gib),
+                              (0, 8 * gib, backend.SCRATCH_BYTES)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free, t=total: (f, t))
+        assert backend.gpu_scratch_budget(cuda) == want
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 * gib, 141 * gib))
+    chain = chains.prefill("hla2d")
+    assert backend.segment_tokens(chain, 1, 32, 128, 128, 32, torch.float32) == 320
+    assert backend.segment_tokens(chain, 1, 32, 128, 128, 32, torch.float32,
+                                  backend.gpu_scratch_budget(cuda)) >= 32768
+
+
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("fit", ["rows", "groups"])
 def test_large_inputs_run_in_head_blocks(op, fit, monkeypatch):
