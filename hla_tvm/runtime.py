@@ -345,7 +345,10 @@ class CompiledModel:
         return np.ascontiguousarray(arr, dtype=np.int64)
 
     def prefill(self, tokens, state):
-        """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]."""
+        """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]. On a CPU a
+        long prompt runs in pieces of whole chunks (`prefill_pieces`), each continuing the
+        state the piece before left: the same logits, with the module's per-chunk buffers
+        bounded by the piece, not the prompt."""
         arr = np.asarray(tokens)
         if arr.ndim == 2 and (arr.shape[1] == 1 or "prefill" not in self.entries):
             # the prefill entry takes T >= 2; modules compiled from a decode graph have none
@@ -356,7 +359,17 @@ class CompiledModel:
                 steps.append(logits)
             return np.stack(steps, axis=1), state
         t = self._tokens(tokens, 2, "tokens")
-        return self._run("prefill", t, state)
+        bounds = [0, t.shape[1]] if self.on_gpu else \
+            prefill_pieces(t.shape[1], (self.meta.get("config") or {}).get("chunk_size"))
+        if len(bounds) == 2:
+            return self._run("prefill", t, state)
+        out = None
+        for start, end in zip(bounds, bounds[1:]):
+            logits, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state)
+            if out is None:
+                out = np.empty((t.shape[0], t.shape[1], *logits.shape[2:]), logits.dtype)
+            out[:, start:end] = logits
+        return out, state
 
     def decode(self, tokens, state):
         """(logits [B, vocab] numpy, state) after one token per sequence, `tokens` [B]."""
@@ -374,6 +387,26 @@ class CompiledModel:
         # a copy: the caller's list may change
         self._local.issued = (tuple(new_state), batch)
         return (res[0].numpy() if self.on_gpu else np.from_dlpack(res[0]).copy()), new_state
+
+
+# Tokens per piece of a CPU prefill (`prefill_pieces`). The shipped demo model (2 heads of 64,
+# 4 layers) prefilled 65,536 tokens in 2.55 s holding 718 MB at once; in pieces of 1,024,
+# 2,048, 4,096 and 16,384 tokens, 2.09, 1.74, 1.65 and 2.0 s holding 72, 83, 105 and 241 MB.
+PREFILL_PIECE = 4096
+
+
+def prefill_pieces(T, chunk=None):
+    """Boundaries [0, ..., T] of the pieces a CPU prefill of T tokens runs in: whole chunks
+    (of `chunk` tokens, 64 when unknown) of PREFILL_PIECE tokens rounded down to whole chunks
+    (one chunk at least), the last one of 2 tokens or more (the prefill entry's least)."""
+    chunk = chunk if isinstance(chunk, int) and chunk > 0 else 64
+    piece = chunk * max(1, PREFILL_PIECE // chunk)
+    bounds = list(range(0, T, piece)) + [T]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:   # a last piece of one token
+        bounds[-2] -= chunk
+        if bounds[-2] <= bounds[-3]:
+            del bounds[-2]
+    return bounds
 
 
 def _batch_of(state):

@@ -47,6 +47,42 @@ def test_prefill_lengths_and_decode_match_pytorch(compiled, batch):
         assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
 
 
+@pytest.mark.parametrize("T", [33, 34, 70])
+def test_long_prompts_prefill_in_pieces(compiled, T, monkeypatch):
+    """A CPU prefill longer than PREFILL_PIECE runs in pieces of whole chunks (the model's
+    chunk is 16; a last piece of one token is avoided): the same logits and state as one
+    call, and the PyTorch model's logits."""
+    from hla_tvm import runtime
+
+    model, path = compiled
+    m = load(path)
+    tokens = np.random.default_rng(T).integers(0, VOCAB, (2, T))
+    whole, whole_state = m.prefill(tokens, m.init_state(2))
+    monkeypatch.setattr(runtime, "PREFILL_PIECE", 16)
+    assert len(runtime.prefill_pieces(T, 16)) > 2
+    logits, state = m.prefill(tokens, m.init_state(2))
+    assert logits.shape == (2, T, VOCAB)
+    assert rel_err(torch.from_numpy(logits), torch.from_numpy(whole)) <= 1e-6
+    assert rel_err(torch.from_numpy(logits), _torch_logits(model, tokens)[0]) <= 1e-4
+    tok = np.array([3, 4])
+    after, _ = m.decode(tok, state)
+    want, _ = m.decode(tok, whole_state)
+    assert rel_err(torch.from_numpy(after), torch.from_numpy(want)) <= 1e-6
+
+
+def test_prefill_pieces():
+    """Piece boundaries: whole chunks, PREFILL_PIECE rounded down to chunks, no one-token
+    last piece (the prefill entry takes 2 or more)."""
+    from hla_tvm.runtime import PREFILL_PIECE, prefill_pieces
+
+    assert prefill_pieces(5, 16) == [0, 5]
+    assert prefill_pieces(PREFILL_PIECE, 64) == [0, PREFILL_PIECE]
+    assert prefill_pieces(PREFILL_PIECE + 1, 64) == [0, PREFILL_PIECE - 64, PREFILL_PIECE + 1]
+    assert prefill_pieces(2 * PREFILL_PIECE + 5, 100)[1] % 100 == 0
+    assert prefill_pieces(3 * PREFILL_PIECE, None) == [0, PREFILL_PIECE, 2 * PREFILL_PIECE,
+                                                       3 * PREFILL_PIECE]
+
+
 def test_torch_tensors_in(compiled):
     model, path = compiled
     m = load(path)
