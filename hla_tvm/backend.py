@@ -132,7 +132,8 @@ def functions(chain, mod, dk, dv, group=1):
 
 
 # Scratch (per-chunk summaries and records) a prefill call may hold: larger inputs run in parts
-# (`_parts`), each advancing its slice of the state in place, so memory does not grow with T.
+# (`_segmented`: `head_blocks`, segments of T), each advancing its slice of the state in place,
+# so memory does not grow with T.
 SCRATCH_BYTES = 128 << 20
 
 
@@ -162,23 +163,32 @@ def gpu_scratch_budget(device):
 def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
     """The (batch, head) blocks a CPU prefill runs one after another, as (b0, b1, h0, h1):
     the whole input where its scratch fits SCRATCH_BYTES, else rows of whole batch entries,
-    else blocks of whole head groups (H / Hkv heads) of one entry, the fewest that fit, of
-    even sizes. Each block's q, k, v,
-    output and state are contiguous slices of the caller's tensors (no copies); a block whose
-    scratch still exceeds the budget (a single group over a very long T) runs in segments of
-    T (`segment_tokens`)."""
+    else blocks of whole head groups (H / Hkv heads) of one entry: the fewest blocks that fit,
+    their sizes differing by one at most. Each block's q, k, v, output and state are
+    contiguous slices of the caller's tensors, copied only where a slice does not start
+    64-byte aligned (a state slice then written back); a block whose scratch still exceeds
+    the budget (a single group over a very long T) runs in segments of T (`segment_tokens`)."""
     group = H // Hkv
     per_head = math.ceil(T / chunk_size) * scratch_per_chunk(chain, dk, dv, chunk_size) * \
         (torch.finfo(acc).bits // 8)
     fit = SCRATCH_BYTES // per_head   # heads whose whole-T scratch fits
     if fit >= B * H:
         return [(0, B, 0, H)]
-    if fit >= H:   # as many rows as fit, spread evenly
-        rows = -(-B // -(-B // (fit // H)))
-        return [(b, min(B, b + rows), 0, H) for b in range(0, B, rows)]
-    groups = max(1, fit // group)   # whole groups that fit, spread evenly
-    heads = group * -(-(H // group) // -(-(H // group) // groups))
-    return [(b, b + 1, h, min(H, h + heads)) for b in range(B) for h in range(0, H, heads)]
+    if fit >= H:   # rows of whole batch entries
+        return [(b0, b1, 0, H) for b0, b1 in _even_parts(B, fit // H)]
+    return [(b, b + 1, group * g0, group * g1) for b in range(B)
+            for g0, g1 in _even_parts(H // group, max(1, fit // group))]
+
+
+def _even_parts(count, most):
+    """[(start, end)] splitting range(count) into the fewest parts of at most `most` items,
+    their sizes differing by one at most."""
+    parts = -(-count // most)
+    size, extra = divmod(count, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return list(zip(bounds, bounds[1:]))
 
 
 def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
@@ -196,8 +206,10 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
     group = H // Hkv
     for b0, b1, h0, h1 in blocks:
         kv = slice(h0 // group, h1 // group)
+        # (validate.state: key/value-head entries have Hkv heads, query-head ones H)
         part = {name: x[b0:b1, h0:h1] if x.shape[1] == H else x[b0:b1, kv]
                 for name, x in state.items()}
+        assert all(x.is_contiguous() for x in part.values())   # whole rows or one row
         env = {name: aligned(x) for name, x in part.items()}   # an unaligned slice: a copy
         env["gamma"] = None if gamma is None else aligned(gamma[h0:h1])
         _run_segments(chain, q[b0:b1, h0:h1], k[b0:b1, kv], v[b0:b1, kv], env,
@@ -214,8 +226,10 @@ def _run_segments(chain, q, k, v, env, out, chunk_size, run):
     state in env carried between them."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype),
-                         None if q.device.type == "cpu" else gpu_scratch_budget(q.device))
+    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype))
+    if seg < T and q.device.type != "cpu":
+        seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype),
+                             gpu_scratch_budget(q.device))
     for start in range(0, T, seg):
         end = min(T, start + seg)
         qs, ks, vs, os_ = (x[:, :, start:end] for x in (q, k, v, out))
