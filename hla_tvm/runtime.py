@@ -390,8 +390,8 @@ class CompiledModel:
 
 
 # Tokens per piece of a CPU prefill (`prefill_pieces`). The shipped demo model (2 heads of 64,
-# 4 layers) prefilled 65,536 tokens in 2.55 s holding 718 MB at once; in pieces of 1,024,
-# 2,048, 4,096 and 16,384 tokens, 2.09, 1.74, 1.65 and 2.0 s holding 72, 83, 105 and 241 MB.
+# 4 layers; 2-core VM, timed in rounds) prefilled 65,536 tokens in 2.52 s holding 718 MB at
+# once; in pieces of 2,048, 4,096 and 8,192 tokens in 2.04, 1.98 and 1.99 s (4,096: 117 MB).
 PREFILL_PIECE = 4096
 
 
