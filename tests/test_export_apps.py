@@ -38,6 +38,11 @@ def module(tmp_path_factory):
     return str(path)
 
 
+# a prompt past one prefill piece (4096 tokens): pieces [0, 4080, 4097] at chunk 16 (no
+# one-token last piece), in hla_tvm.runtime, the C++ app and the script alike
+LONG = [int(t) for t in np.random.default_rng(3).integers(0, 40, 4097)]
+
+
 def _greedy(path, prompt, steps):
     m = load(path)
     logits, state = m.prefill(np.array([prompt]), m.init_state(1))
@@ -49,14 +54,15 @@ def _greedy(path, prompt, steps):
 
 
 @needs_cmake
-@pytest.mark.parametrize("prompt", [[5, 9, 2, 33, 7, 1, 0, 12], [5]])
+@pytest.mark.parametrize("prompt", [[5, 9, 2, 33, 7, 1, 0, 12], [5], LONG],
+                         ids=["prompt", "one", "long"])
 def test_cpp_app_tokens_equal_the_python_runtime(app, module, prompt):
     want = _greedy(module, prompt, 20)
     run = subprocess.run([app, module, "--prompt", ",".join(map(str, prompt)), "--steps", "20"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert [int(t) for t in run.stdout.split()] == want
-    if len(prompt) > 1:
+    if 1 < len(prompt) < 100:
         assert len(set(want)) > 2   # (a context-dependent sequence, not one repeated token)
 
 
@@ -91,7 +97,8 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("prompt", [[5, 9, 2, 33, 7, 1, 0, 12], [5]])
+@pytest.mark.parametrize("prompt", [[5, 9, 2, 33, 7, 1, 0, 12], [5], LONG],
+                         ids=["prompt", "one", "long"])
 def test_python_script_runs_without_tvm_python_torch_or_hla_tvm(module, prompt):
     import sys
 
@@ -106,3 +113,17 @@ def test_python_script_runs_without_tvm_python_torch_or_hla_tvm(module, prompt):
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     assert [int(t) for t in run.stdout.split()] == _greedy(module, prompt, 20)
+
+
+def test_script_prefill_pieces_equal_the_runtime():
+    """The script's prefill pieces (it imports nothing of hla_tvm) are hla_tvm.runtime's."""
+    import runpy
+
+    from hla_tvm import runtime
+
+    ns = runpy.run_path(os.path.join(ROOT, "export", "python", "generate.py"),
+                        run_name="generate")
+    assert ns["PREFILL_PIECE"] == runtime.PREFILL_PIECE
+    for T in [2, 3, 64, 4095, 4096, 4097, 4098, 8193, 12289, 20000]:
+        for chunk in (None, 16, 48, 64, 100, 5000):
+            assert ns["prefill_pieces"](T, chunk) == runtime.prefill_pieces(T, chunk), (T, chunk)

@@ -462,6 +462,25 @@ ffi::Module Load(const std::string& path, const std::string& folder) {
   }
 }
 
+// Tokens per piece of a CPU prefill, and the pieces' boundaries {0, ..., T}: as hla_tvm.runtime
+// (PREFILL_PIECE, prefill_pieces), PREFILL_PIECE tokens rounded down to whole chunks (one chunk
+// at least; chunk 64 when unknown), the last piece of 2 tokens or more (the prefill's least).
+constexpr int64_t kPrefillPiece = 4096;
+
+std::vector<int64_t> PrefillPieces(int64_t T, int64_t chunk) {
+  if (chunk <= 0) chunk = 64;
+  int64_t piece = chunk * std::max<int64_t>(1, kPrefillPiece / chunk);
+  std::vector<int64_t> bounds;
+  for (int64_t start = 0; start < T; start += piece) bounds.push_back(start);
+  bounds.push_back(T);
+  size_t n = bounds.size();
+  if (n > 2 && bounds[n - 1] - bounds[n - 2] < 2) {   // a last piece of one token
+    bounds[n - 2] -= chunk;
+    if (bounds[n - 2] <= bounds[n - 3]) bounds.erase(bounds.begin() + (n - 2));
+  }
+  return bounds;
+}
+
 struct Model {
   DLDevice dev{kDLCPU, 0};
   ffi::Optional<ffi::Module> vm_;
@@ -469,6 +488,7 @@ struct Model {
   std::vector<Tensor> state;
   bool has_prefill = false;
   int64_t vocab = 0;
+  int64_t chunk = 0;   // the model's chunk size (config "chunk_size"; 0: unknown)
   bool bytes = false;  // byte-level vocabulary (config "vocab": "bytes")
 
   explicit Model(const std::string& path) {
@@ -504,6 +524,9 @@ struct Model {
       auto config = meta.at("config").cast<ffi::json::Object>();
       bytes = config.count("vocab") && config.at("vocab") != nullptr &&
               config.at("vocab").cast<ffi::String>() == "bytes";
+      if (config.count("chunk_size")) {
+        if (auto c = config.at("chunk_size").as<int64_t>()) chunk = *c;
+      }
     }
     decode = vm->GetFunction("decode").value();
     if (auto f = vm->GetFunction("prefill")) {
@@ -538,8 +561,20 @@ struct Model {
     return std::vector<float>(data, data + v);
   }
 
+  // The prompt's logits at its last position: on a CPU a long prompt runs in pieces
+  // (PrefillPieces), each continuing the state, as hla_tvm.runtime does.
   std::vector<float> Prompt(const std::vector<int64_t>& ids) {
-    if (has_prefill && ids.size() >= 2) return Run(prefill, ids, true);
+    if (has_prefill && ids.size() >= 2) {
+      int64_t T = static_cast<int64_t>(ids.size());
+      std::vector<int64_t> bounds = dev.device_type == kDLCPU ? PrefillPieces(T, chunk)
+                                                              : std::vector<int64_t>{0, T};
+      std::vector<float> last;
+      for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+        last = Run(prefill, std::vector<int64_t>(ids.begin() + bounds[i],
+                                                 ids.begin() + bounds[i + 1]), true);
+      }
+      return last;
+    }
     std::vector<float> last;
     for (int64_t id : ids) last = Run(decode, {id}, false);   // the prefill entry takes T >= 2
     return last;

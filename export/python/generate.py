@@ -269,6 +269,25 @@ def load(path, runtime_lib=None):
     return vm, meta, tensors                                                  # the device)
 
 
+# tokens per piece of a CPU prefill, as hla_tvm.runtime.PREFILL_PIECE
+PREFILL_PIECE = 4096
+
+
+def prefill_pieces(T, chunk=None):
+    """Boundaries [0, ..., T] of the pieces a CPU prefill of T tokens runs in, as
+    `hla_tvm.runtime.prefill_pieces` (this script imports nothing of hla_tvm): PREFILL_PIECE
+    tokens rounded down to whole chunks (one chunk at least; chunk 64 when unknown), the last
+    piece of 2 tokens or more (the prefill entry's least)."""
+    chunk = chunk if isinstance(chunk, int) and chunk > 0 else 64
+    piece = chunk * max(1, PREFILL_PIECE // chunk)
+    bounds = list(range(0, T, piece)) + [T]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:   # a last piece of one token
+        bounds[-2] -= chunk
+        if bounds[-2] <= bounds[-3]:
+            del bounds[-2]
+    return bounds
+
+
 def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
              on_token=None):
     """`steps` token ids following `prompt`: greedy, or sampled at `temperature` from the
@@ -286,7 +305,11 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
         return logits.reshape(-1, logits.shape[-1])[-1].astype(np.float64)
 
     if len(prompt) >= 2 and "prefill" in entries:   # the prefill entry takes T >= 2
-        logits = run("prefill", np.array([prompt], dtype=np.int64))
+        # on a CPU a long prompt in pieces, each continuing the state (as hla_tvm.runtime)
+        bounds = prefill_pieces(len(prompt), (meta.get("config") or {}).get("chunk_size")) \
+            if not tensors.gpu else [0, len(prompt)]
+        for start, end in zip(bounds, bounds[1:]):
+            logits = run("prefill", np.array([prompt[start:end]], dtype=np.int64))
     else:
         for t in prompt:
             logits = run("decode", np.array([t], dtype=np.int64))
