@@ -56,10 +56,10 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
     op, eps, ridge, decay = validate.operator_options(order, asymmetric, masked, normalize, eps,
                                                       ridge, decay, H, Hkv)
-    chunk_size = validate.integer("chunk_size", chunk_size, low=1)
-    mask = validate.attention_mask(attention_mask, B, T)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    chunk_size = validate.chunk_size(chunk_size, compiled=backend == "tvm")
+    mask = validate.attention_mask(attention_mask, B, T)
     if state is not None:
         validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
                        f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
@@ -87,7 +87,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     from .backend import private_copy
     from .decode import _plan
 
-    validate.integer("chunk_size", chunk_size, low=1)
+    validate.chunk_size(chunk_size)
     plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
     if mask is not None:

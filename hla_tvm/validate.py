@@ -93,6 +93,23 @@ def integer(name, value, *, choices=None, low=None):
     return value
 
 
+# The largest chunk the compiled kernels take: a chunk's products are unrolled into one kernel;
+# at 128 the first compile took 21 s here, at 256 over two minutes, at 5001 it ran out of 24 GB.
+MAX_CHUNK = 128
+
+
+def chunk_size(value, *, compiled=True):
+    """`value` checked as a prefill chunk size: an int >= 1, at most MAX_CHUNK where compiled
+    kernels run it (the chunked form gives the same outputs for any chunk size)."""
+    value = integer("chunk_size", value, low=1)
+    if compiled and value > MAX_CHUNK:
+        raise ValueError(f"chunk_size must be at most {MAX_CHUNK} for the compiled kernels, got "
+                         f"{value}: a chunk's products are unrolled into one kernel, which then "
+                         "compiles for minutes and gigabytes; outputs do not depend on the chunk "
+                         "size (backend='torch' takes any)")
+    return value
+
+
 def decay(value, heads):
     """None, a float in (0, 1], or one value per head in (0, 1]: a tensor of shape [H] (a list,
     tuple or numpy array of H numbers becomes a float64 tensor; a 0-d tensor is a float, or

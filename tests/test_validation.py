@@ -58,6 +58,7 @@ def test_heads_must_divide():
     (dict(decay="x"), TypeError, "decay must be a real number or one value per head"),
     (dict(target=FOREIGN), ValueError, "which this machine cannot run"),
     (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
+    (dict(chunk_size=129), ValueError, "chunk_size must be at most 128 for the compiled"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(masked=1), TypeError, "masked must be a bool"),
     (dict(target="llvm -mcpu=znver4"), ValueError, "target="),
@@ -83,6 +84,24 @@ def test_bad_state():
         hla(q[:, :, :1], k[:, :, :1], v[:, :, :1], state=bad)
     with pytest.raises(TypeError, match=r"state\['m'\] must be floating"):
         hla(q, k, v, state=dict(good, m=torch.zeros(1, 2, 4, dtype=torch.int64)))
+
+
+def test_large_chunks_compile_nowhere(tmp_path):
+    """A chunk above MAX_CHUNK is refused before any compile (5001 ran a 24 GB machine out of
+    memory): by `hla` with the compiled kernels, a one-token `hla`, and `hla_tvm.compile` of a
+    model; backend='torch' takes it and gives the chunked form's outputs."""
+    import hla_tvm
+    from hla_tvm.models import HLALM
+
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="chunk_size must be at most 128"):
+        hla(q[:, :, :1], k[:, :, :1], v[:, :, :1], chunk_size=5001)
+    want = hla(q.double(), k.double(), v.double(), backend="torch")
+    got = hla(q.double(), k.double(), v.double(), backend="torch", chunk_size=5001)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="chunk_size must be at most 128"):
+        hla_tvm.compile(HLALM(40, 16, 1, 2, chunk_size=256), out=tmp_path / "m.so")
+    assert not list(tmp_path.iterdir())
 
 
 def test_tvm_backend_refuses_padding_with_decay():

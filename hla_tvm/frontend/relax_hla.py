@@ -17,7 +17,7 @@ import numpy as np
 from tvm import relax
 from tvm.tirx import IntImm
 
-from .. import operators
+from .. import operators, validate
 from ..kernels import _tir, chains
 from ..schedule import records
 
@@ -171,7 +171,8 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
         state = [bb.emit(relax.op.repeat(s, group, axis=1)) if n in op.kv_state else s
                  for n, s in zip(names, state)]
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
-    out, new_state = emit_hla(bb, op.name, q, k, v, list(state), decay, chunk=int(chunk),
+    out, new_state = emit_hla(bb, op.name, q, k, v, list(state), decay,
+                              chunk=validate.chunk_size(int(chunk)),
                               dtype=str(q.ty.dtype), **opts)
     if repeat:
         new_state = [bb.emit(relax.op.strided_slice(s, axes=[1], begin=[0], end=[H],
