@@ -230,12 +230,28 @@ def _export_onnx(args):
 
 def _prompt_ids(text):
     try:
-        prompt = [int(x) for x in text.split(",") if x.strip()]
+        prompt = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not prompt:
-        raise ValueError("--prompt-ids needs at least one token")
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {shown!r}") from None
     return prompt
+
+
+def _prompt_file(path):
+    """The text of --prompt-file `path` ("-": standard input), UTF-8."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeError as err:
+        raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({err.reason})") from None
+    except OSError as err:
+        raise ValueError(f"--prompt-file {path}: {err.strerror}") from None
+
+
+# a longer text prompt is echoed by its end only
+ECHO_CHARS = 2000
 
 
 def _run(args):
@@ -246,17 +262,24 @@ def _run(args):
         meta = read_meta(args.module) or load(args.module, args.device, threads=args.threads).meta
         print(_module_info(args.module, meta))
         return 0
-    if args.prompt is not None and args.prompt_ids is not None:
-        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3, not both")
-    if args.prompt is None and args.prompt_ids is None:
-        raise ValueError("give --prompt TEXT (byte-level models) or --prompt-ids 1,2,3 "
-                         "(or --info to describe the module)")
+    given = [o for o, x in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                            ("--prompt-ids", args.prompt_ids)) if x is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3, "
+                         f"not {' and '.join(given)}")
+    if not given:
+        raise ValueError("give --prompt TEXT or --prompt-file FILE (byte-level models) or "
+                         "--prompt-ids 1,2,3 (or --info to describe the module)")
     from .generate import check_sampling
 
     try:   # (before the prompt is echoed)
         check_sampling(args.temperature or 0.0, args.top_k or 0, args.seed)
     except ValueError as err:
         raise ValueError(f"--{str(err).replace('_', '-')}") from None
+    if args.prompt_file is not None:
+        args.prompt = _prompt_file(args.prompt_file)
+        if not args.prompt:
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
     try:
         prompt = encode_text(args.prompt) if args.prompt is not None else \
             _prompt_ids(args.prompt_ids)
@@ -268,7 +291,9 @@ def _run(args):
                          f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
     if args.prompt is not None:
         decode = text_decoder()
-        sys.stdout.write(args.prompt)
+        skipped = len(args.prompt) - ECHO_CHARS
+        sys.stdout.write(args.prompt if skipped <= 0 else
+                         f"[... {skipped} characters of the prompt ...]" + args.prompt[skipped:])
         on_token = lambda tok: (sys.stdout.write(decode([tok])), sys.stdout.flush())  # noqa: E731
     else:
         on_token = None
@@ -539,6 +564,10 @@ def build_parser():
     r.add_argument("module", help="a library written by `hla-tvm compile`")
     r.add_argument("--prompt", default=None, metavar="TEXT",
                    help="prompt text (byte-level models)")
+    r.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="prompt text read from FILE (UTF-8; - for standard input), for prompts "
+                        "too long for the command line; echoed by its last 2000 characters "
+                        "when longer")
     r.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
     r.add_argument("--info", action="store_true",
                    help="print the module's metadata (model, device, state layout, which "

@@ -65,8 +65,8 @@ def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token
     rng = np.random.default_rng(seed)
     state = model.init_state(1)
     t0 = time.perf_counter()
-    logits, state = model.prefill(np.array([prompt], dtype=np.int64), state)
-    last = np.asarray(logits)[0, -1]
+    logits, state = model.prefill(np.array([prompt], dtype=np.int64), state, logits="last")
+    last = np.asarray(logits)[0]
     info = {"prefill_s": time.perf_counter() - t0, "decode_s": 0.0, "decode_steps": 0,
             "logits": [last] if keep_logits else None}
     tokens = []
@@ -96,12 +96,12 @@ class Eager:
     def init_state(self, batch):
         return None   # the model starts a fresh sequence from no state
 
-    def prefill(self, tokens, state):
+    def prefill(self, tokens, state, logits="all"):
         import torch
 
         with torch.no_grad():
-            logits, state = self.model(torch.as_tensor(np.asarray(tokens)), state)
-        return logits.numpy(), state
+            out, state = self.model(torch.as_tensor(np.asarray(tokens)), state)
+        return (out[:, -1] if logits == "last" else out).numpy(), state
 
     def decode(self, tokens, state):
         logits, state = self.prefill(np.asarray(tokens)[:, None], state)

@@ -310,9 +310,11 @@ class CompiledModel:
                 len(state) == len(issued) and all(a is b for a, b in zip(state, issued)):
             return state  # exactly the tensors this thread's last call returned: already checked
         if not isinstance(state, (list, tuple)) or len(state) != len(self.state_spec):
-            raise ValueError(f"{what}: state must be a list of {len(self.state_spec)} tensors "
-                             f"(from init_state), got {type(state).__name__} of "
-                             f"{len(state) if isinstance(state, (list, tuple)) else '?'}")
+            got = f"{type(state).__name__} of {len(state)}" \
+                if isinstance(state, (list, tuple)) else type(state).__name__
+            raise ValueError(f"{'' if what == 'state' else what + ': '}state must be a list of "
+                             f"{len(self.state_spec)} tensors, got {got}; a sequence starts "
+                             "from init_state(batch)")
         self._check_batch(batch, what)
         out = []
         for (name, shape, dtype), x in zip(self.state_spec, state):
@@ -344,31 +346,41 @@ class CompiledModel:
         # numpy arrays go to the module through DLPack, no copy
         return np.ascontiguousarray(arr, dtype=np.int64)
 
-    def prefill(self, tokens, state):
-        """(logits [B, T, vocab] numpy, state) after the prompt `tokens` [B, T]. On a CPU a
-        long prompt runs in pieces of whole chunks (`prefill_pieces`), each continuing the
-        state the piece before left: the same logits, with the module's per-chunk buffers
-        bounded by the piece, not the prompt."""
+    def prefill(self, tokens, state, logits="all"):
+        """(logits numpy, state) after the prompt `tokens` [B, T]: logits [B, T, vocab] for
+        logits="all", those of the last position [B, vocab] for "last" (what generation
+        needs: a long prompt then holds no [B, T, vocab] array). On a CPU a long prompt runs
+        in pieces of whole chunks (`prefill_pieces`), each continuing the state the piece
+        before left: the same logits, with the module's per-chunk buffers bounded by the
+        piece, not the prompt. A state of this module's tensors (from `init_state`, `prefill`,
+        `decode`) is updated in place and returned; one given as numpy arrays is copied."""
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        last = logits == "last"
         arr = np.asarray(tokens)
         if arr.ndim == 2 and (arr.shape[1] == 1 or "prefill" not in self.entries):
             # the prefill entry takes T >= 2; modules compiled from a decode graph have none
             self._tokens(tokens, 2, "tokens")
             steps = []
             for t in range(arr.shape[1]):
-                logits, state = self.decode(arr[:, t], state)
-                steps.append(logits)
-            return np.stack(steps, axis=1), state
+                out, state = self.decode(arr[:, t], state)
+                steps.append(out)
+            return (steps[-1] if last else np.stack(steps, axis=1)), state
         t = self._tokens(tokens, 2, "tokens")
         bounds = [0, t.shape[1]] if self.on_gpu else \
             prefill_pieces(t.shape[1], (self.meta.get("config") or {}).get("chunk_size"))
-        if len(bounds) == 2:
-            return self._run("prefill", t, state)
         out = None
         for start, end in zip(bounds, bounds[1:]):
-            logits, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state)
-            if out is None:
-                out = np.empty((t.shape[0], t.shape[1], *logits.shape[2:]), logits.dtype)
-            out[:, start:end] = logits
+            part, state = self._run("prefill", t if len(bounds) == 2 else
+                                    np.ascontiguousarray(t[:, start:end]), state)
+            if last:
+                out = part[:, -1].copy()
+            elif len(bounds) == 2:
+                out = part
+            else:
+                if out is None:
+                    out = np.empty((t.shape[0], t.shape[1], *part.shape[2:]), part.dtype)
+                out[:, start:end] = part
         return out, state
 
     def decode(self, tokens, state):

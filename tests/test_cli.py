@@ -79,7 +79,14 @@ def test_expected_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     _fails_in_one_line(capsys, ["export-onnx", str(tmp_path / "junk.pt"), "-o",
                                 str(tmp_path / "no" / "m.onnx")], "does not exist")
     _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1",
-                                "--prompt", "a"], "not both")
+                                "--prompt", "a"], "not --prompt and --prompt-ids")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-ids", "1,,2"],
+                       "--prompt-ids must be comma-separated integers")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-file",
+                                str(tmp_path / "none.txt")], "--prompt-file", "none.txt")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt-file",
+                                str(tmp_path / "bad.txt")], "not valid UTF-8")
     for opt, value in (("--seed", "-1"), ("--temperature", "nan"), ("--top-k", "-2")):
         _fails_in_one_line(capsys, ["run", str(tmp_path / "junk.so"), "--prompt", "hi", opt,
                                     value], opt)

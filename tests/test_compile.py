@@ -68,6 +68,12 @@ def test_long_prompts_prefill_in_pieces(compiled, T, monkeypatch):
     after, _ = m.decode(tok, state)
     want, _ = m.decode(tok, whole_state)
     assert rel_err(torch.from_numpy(after), torch.from_numpy(want)) <= 1e-6
+    last, _ = m.prefill(tokens, m.init_state(2), logits="last")   # what generation keeps
+    assert last.shape == (2, VOCAB) and np.array_equal(last, logits[:, -1])
+    one, _ = m.prefill(tokens[:, :1], m.init_state(2), logits="last")
+    assert one.shape == (2, VOCAB)
+    with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
+        m.prefill(tokens, m.init_state(2), logits=True)
 
 
 def test_prefill_pieces():

@@ -107,6 +107,30 @@ def test_run_generates_text_reproducibly(shipped, capsys):
     assert len(set(default[len(PROMPT):])) > 3
 
 
+def test_run_reads_a_long_prompt_from_a_file_or_stdin(shipped, capsys, tmp_path, monkeypatch):
+    """--prompt-file FILE (or - for standard input) gives what --prompt gives; a prompt past
+    ECHO_CHARS is echoed by its end, after a line saying how much was left out."""
+    import io
+
+    from hla_tvm import cli
+
+    _, path = shipped
+    args = ["--tokens", "8", "--temperature", "0"]
+    assert main(["run", path, "--prompt", PROMPT] + args) == 0
+    want = capsys.readouterr().out
+    (tmp_path / "p.txt").write_text(PROMPT, encoding="utf-8")
+    assert main(["run", path, "--prompt-file", str(tmp_path / "p.txt")] + args) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
+    assert main(["run", path, "--prompt-file", "-"] + args) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr(cli, "ECHO_CHARS", 10)
+    assert main(["run", path, "--prompt", PROMPT] + args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"[... {len(PROMPT) - 10} characters of the prompt ...]" + PROMPT[-10:])
+    assert out.endswith(want[len(PROMPT):])
+
+
 def test_run_prompt_text_needs_a_byte_level_module(compiled_lm, capsys):
     _, path = compiled_lm("base")
     assert main(["run", str(path), "--prompt", "def "]) == 2

@@ -358,8 +358,13 @@ def main(argv=None):
             prompt = [int(x) for x in args.prompt.split(",")]
         except ValueError:
             p.error("--prompt must be ids such as 5,9,2")
-    if args.steps < 1 or not args.temperature >= 0 or args.top_k < 0 or min(prompt) < 0:
-        p.error("--steps must be positive, --temperature and --top-k >= 0, ids >= 0")
+    for bad, what in ((args.steps < 1, f"--steps must be positive, got {args.steps}"),
+                      (not args.temperature >= 0,
+                       f"--temperature must be >= 0, got {args.temperature}"),
+                      (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}"),
+                      (min(prompt) < 0, f"prompt ids must be >= 0, got {min(prompt)}")):
+        if bad:
+            p.error(what)
     try:
         vm, meta, tensors = load(args.module, args.runtime_lib)
     except (OSError, ValueError) as err:   # one line, as the C++ app says it
