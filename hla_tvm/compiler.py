@@ -110,10 +110,12 @@ def merge_entries(mods):
 
 def prepare(mod, target):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
-    scheduled: embedding lookups clamped (`safe_take`), then `legalize`d."""
+    scheduled: embedding lookups clamped (`safe_take`), RMSNorms as one operator each
+    (`fused_rms_norm`), then `legalize`d."""
+    from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.safe_take import safe_take
 
-    return legalize(safe_take(mod), target)
+    return legalize(fused_rms_norm(safe_take(mod)), target)
 
 
 def legalize(mod, target):

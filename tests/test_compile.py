@@ -233,3 +233,45 @@ def test_target_strings_tvm_parses_are_accepted():
     assert resolve('{"kind": "llvm", "mcpu": "znver4"}').attrs["mcpu"] == "znver4"
     assert resolve("c").kind.name == "c"
     assert resolve("nvidia/nvidia-a100").kind.name == "cuda"
+
+
+def test_rms_norms_become_one_operator_each():
+    """The RMSNorm as torch.export gives it (x * rsqrt(mean(x ** 2) + eps) * w) becomes one
+    relax.nn.rms_norm per norm: 2 a block, the final one, and each attention's per-head output
+    norm; the two kernels each took before (TVM fuses no element-wise producer into a
+    reduction) are gone. Numerics: the compiled models above against PyTorch."""
+    import re
+
+    from hla_tvm import compiler
+    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+
+    torch.manual_seed(0)
+    model = HLALM(VOCAB, 32, 3, 4, chunk_size=16).eval()
+    mod = compiler.to_relax(model, target=compiler.resolve_model_target("llvm"))
+    text = fused_rms_norm(mod)["decode"].script()
+    assert len(re.findall(r"R\.nn\.rms_norm\(", text)) == 3 * 3 + 1
+    assert "R.power(" not in text and "R.rsqrt(" not in text
+    assert mod["decode"].script().count("R.power(") == 3 * 3 + 1   # the caller's module kept
+
+
+@pytest.mark.parametrize("axis, power, weight", [([-1], 2.0, 4), ([0], 2.0, 4), ([-1], 3.0, 4),
+                                                 ([-1], 2.0, 1)])
+def test_only_the_rms_norm_form_is_rewritten(axis, power, weight):
+    """A mean over another axis, another power, or a weight not of the last dimension's size
+    stays as it is."""
+    from tvm import relax
+
+    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, 4], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.mean(relax.op.power(x, relax.const(power, "float32")),
+                                      axis=axis, keepdims=True))
+            r = bb.emit(relax.op.rsqrt(relax.op.add(m, relax.const(1e-6, "float32"))))
+            y = bb.emit_output(relax.op.multiply(relax.op.multiply(x, r), relax.const(
+                np.ones(weight, dtype="float32"))))
+        bb.emit_func_output(y)
+    text = fused_rms_norm(bb.get())["main"].script()
+    assert ("R.nn.rms_norm(" in text) == (axis == [-1] and power == 2.0 and weight == 4)
