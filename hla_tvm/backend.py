@@ -105,6 +105,10 @@ def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
 def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
     """`tuning_kernels` of operator `op`'s prefill and decode chains (an `operators.Operator`;
     opts: its `options`, dtype a torch dtype)."""
+    from .validate import chunk_size
+
+    chunk = chunk_size(chunk, name="chunk", instead="a larger chunk's records could serve no "
+                       "call")
     kw = kernel_options(dtype, **opts)
     fam = chains.family(op.name, decayed=decayed, decode=False)
     out = tuning_kernels(chains.prefill(fam), dk, dv, chunk=chunk, group=group, **kw)

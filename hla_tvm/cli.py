@@ -287,7 +287,7 @@ def _run(args):
         raise ValueError(f"--prompt is not valid text ({err.reason})") from None
     m = load(args.module, args.device, threads=args.threads)
     if args.prompt is not None and m.vocab != "bytes":
-        raise ValueError(f"{args.module}: --prompt TEXT needs a byte-level model (this one's "
+        raise ValueError(f"{args.module}: {given[0]} needs a byte-level model (this one's "
                          f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
     if args.prompt is not None:
         decode = text_decoder()

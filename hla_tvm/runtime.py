@@ -349,11 +349,12 @@ class CompiledModel:
     def prefill(self, tokens, state, logits="all"):
         """(logits numpy, state) after the prompt `tokens` [B, T]: logits [B, T, vocab] for
         logits="all", those of the last position [B, vocab] for "last" (what generation
-        needs: a long prompt then holds no [B, T, vocab] array). On a CPU a long prompt runs
-        in pieces of whole chunks (`prefill_pieces`), each continuing the state the piece
-        before left: the same logits, with the module's per-chunk buffers bounded by the
-        piece, not the prompt. A state of this module's tensors (from `init_state`, `prefill`,
-        `decode`) is updated in place and returned; one given as numpy arrays is copied."""
+        needs: on a CPU a long prompt then holds no [B, T, vocab] array). On a CPU a long
+        prompt runs in pieces of whole chunks (`prefill_pieces`), each continuing the state
+        the piece before left: the same logits, with the module's per-chunk buffers bounded by
+        the piece, not the prompt. Continue from the returned state: the given tensors may
+        have been advanced in place or not (numpy arrays are copied; some entries of grouped
+        models come back as new tensors)."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         last = logits == "last"

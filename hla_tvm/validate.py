@@ -98,15 +98,17 @@ def integer(name, value, *, choices=None, low=None):
 MAX_CHUNK = 128
 
 
-def chunk_size(value, *, compiled=True):
+def chunk_size(value, *, compiled=True, name="chunk_size",
+               instead="backend='torch' takes any"):
     """`value` checked as a prefill chunk size: an int >= 1, at most MAX_CHUNK where compiled
-    kernels run it (the chunked form gives the same outputs for any chunk size)."""
-    value = integer("chunk_size", value, low=1)
+    kernels run it (the chunked form gives the same outputs for any chunk size); `instead`:
+    what the error suggests."""
+    value = integer(name, value, low=1)
     if compiled and value > MAX_CHUNK:
-        raise ValueError(f"chunk_size must be at most {MAX_CHUNK} for the compiled kernels, got "
+        raise ValueError(f"{name} must be at most {MAX_CHUNK} for the compiled kernels, got "
                          f"{value}: a chunk's products are unrolled into one kernel, which then "
                          "compiles for minutes and gigabytes; outputs do not depend on the chunk "
-                         "size (backend='torch' takes any)")
+                         f"size ({instead})")
     return value
 
 

@@ -275,3 +275,31 @@ def test_only_the_rms_norm_form_is_rewritten(axis, power, weight):
         bb.emit_func_output(y)
     text = fused_rms_norm(bb.get())["main"].script()
     assert ("R.nn.rms_norm(" in text) == (axis == [-1] and power == 2.0 and weight == 4)
+
+
+@pytest.mark.parametrize("shape, dtype, axis", [
+    ([64], "float32", [-1]), ([2, "n"], "float32", [-1]), ([2, 4], "float16", [-1]),
+    ([2, 4], "float32", None)])
+def test_rms_norm_rewrite_leaves_what_it_cannot_take(shape, dtype, axis):
+    """Rank 1, a symbolic last dimension, float16 (TVM's rms_norm computes in float32) and a
+    mean over every axis keep their form, and the module still legalizes."""
+    import tvm
+    from tvm import relax
+
+    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+
+    n = tvm.tirx.Var("n", "int64")
+    dims = [n if d == "n" else d for d in shape]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(dims, dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.mean(relax.op.power(x, relax.const(2.0, dtype)), axis=axis,
+                                      keepdims=True))
+            r = bb.emit(relax.op.rsqrt(relax.op.add(m, relax.const(1e-6, dtype))))
+            y = bb.emit_output(relax.op.multiply(relax.op.multiply(x, r), relax.const(
+                np.ones(shape[-1] if shape[-1] != "n" else 1, dtype=dtype))))
+        bb.emit_func_output(y)
+    out = fused_rms_norm(bb.get())
+    assert "R.nn.rms_norm(" not in out["main"].script()
+    relax.transform.LegalizeOps()(out)

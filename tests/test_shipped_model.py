@@ -109,7 +109,7 @@ def test_run_generates_text_reproducibly(shipped, capsys):
 
 def test_run_reads_a_long_prompt_from_a_file_or_stdin(shipped, capsys, tmp_path, monkeypatch):
     """--prompt-file FILE (or - for standard input) gives what --prompt gives; a prompt past
-    ECHO_CHARS is echoed by its end, after a line saying how much was left out."""
+    ECHO_CHARS is echoed by its end, after a marker saying how much was left out."""
     import io
 
     from hla_tvm import cli

@@ -5,7 +5,7 @@ TVM's operator fusion does not fuse an element-wise producer into the reduction 
 it, so the form as exported runs two kernels (x ** 2, then the mean fused with the rest):
 the shipped demo model's decode ran 13 of its 75 kernels a token for its 13 norms.
 `relax.nn.rms_norm` lowers to one function, x * w / sqrt(mean(x ** 2) + eps) over the last
-axis, the same formula."""
+axis, the same formula, computed in float32 (so only float32 norms are rewritten)."""
 from __future__ import annotations
 
 
@@ -17,16 +17,19 @@ def _scalar(expr, value=None):
     if not isinstance(expr, tvm.ir.expr.Constant):
         return None
     array = expr.value.numpy()
-    if array.size != 1:
+    if array.ndim != 0:
         return None
     got = float(np.asarray(array).reshape(()))
     return got if value is None or got == value else None
 
 
 def fused_rms_norm(mod):
-    """`mod` with every x * rsqrt(mean(x ** 2, [-1], keepdims=True) + eps) * w (w a constant
-    of x's last dimension, eps a scalar constant) replaced by rms_norm(x, w, [-1], eps) in
-    every Relax function; anything else is left as it is."""
+    """`mod` with every x * rsqrt(mean(x ** 2, [-1], keepdims=True) + eps) * w (x float32 of
+    rank 2 or more with a static last dimension, w a constant of that size, eps and the
+    exponent 0-d constants) replaced by rms_norm(x, w, [-1], eps) in every Relax function;
+    anything else is left as it is. (TVM's rms_norm computes in float32: other dtypes keep
+    their form.)"""
+    import tvm
     from tvm import relax
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
@@ -40,9 +43,11 @@ def fused_rms_norm(mod):
         epsilon = _scalar(found[eps])
         shape = getattr(data.ty, "shape", None)
         if _scalar(found[two], 2.0) is None or epsilon is None or shape is None or \
+                len(shape) < 2 or not isinstance(shape[-1], tvm.tirx.IntImm) or \
+                m.attrs.axis is None or not m.attrs.keepdims or \
                 [int(a) for a in m.attrs.axis] not in ([-1], [len(shape) - 1]) or \
-                not m.attrs.keepdims or list(weight.value.shape) != [int(shape[-1])] or \
-                weight.ty.dtype != data.ty.dtype:
+                list(weight.value.shape) != [int(shape[-1])] or \
+                data.ty.dtype != "float32" or weight.ty.dtype != "float32":
             return expr
         return relax.op.nn.rms_norm(data, weight, axes=[-1], epsilon=epsilon)
 

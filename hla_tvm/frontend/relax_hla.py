@@ -172,7 +172,9 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
                  for n, s in zip(names, state)]
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     out, new_state = emit_hla(bb, op.name, q, k, v, list(state), decay,
-                              chunk=validate.chunk_size(int(chunk)),
+                              chunk=validate.chunk_size(
+                                  int(chunk), instead="set the model's chunk_size to "
+                                  f"{validate.MAX_CHUNK} or less; its weights do not change"),
                               dtype=str(q.ty.dtype), **opts)
     if repeat:
         new_state = [bb.emit(relax.op.strided_slice(s, axes=[1], begin=[0], end=[H],
