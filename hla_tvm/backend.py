@@ -148,10 +148,16 @@ def scratch_per_chunk(chain, dk, dv, n):
                for kind in chain.kinds().values() if kind != "o")
 
 
+def _chunk_bytes(chain, dk, dv, n, acc):
+    """Bytes of `chain`'s per-chunk buffers for one chunk (of n tokens) and head, in the
+    accumulation dtype `acc`."""
+    return scratch_per_chunk(chain, dk, dv, n) * (torch.finfo(acc).bits // 8)
+
+
 def segment_tokens(chain, B, H, dk, dv, chunk_size, acc, budget=None):
     """Tokens per segment: whole chunks whose scratch fits in `budget` bytes (None:
     SCRATCH_BYTES); at least one."""
-    per_chunk = B * H * scratch_per_chunk(chain, dk, dv, chunk_size) * (torch.finfo(acc).bits // 8)
+    per_chunk = B * H * _chunk_bytes(chain, dk, dv, chunk_size, acc)
     return chunk_size * max(1, (budget or SCRATCH_BYTES) // per_chunk)
 
 
@@ -173,8 +179,7 @@ def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
     64-byte aligned (a state slice then written back); a block whose scratch still exceeds
     the budget (a single group over a very long T) runs in segments of T (`segment_tokens`)."""
     group = H // Hkv
-    per_head = math.ceil(T / chunk_size) * scratch_per_chunk(chain, dk, dv, chunk_size) * \
-        (torch.finfo(acc).bits // 8)
+    per_head = math.ceil(T / chunk_size) * _chunk_bytes(chain, dk, dv, chunk_size, acc)
     fit = SCRATCH_BYTES // per_head   # heads whose whole-T scratch fits
     if fit >= B * H:
         return [(0, B, 0, H)]
@@ -217,23 +222,22 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
         env = {name: aligned(x) for name, x in part.items()}   # an unaligned slice: a copy
         env["gamma"] = None if gamma is None else aligned(gamma[h0:h1])
         _run_segments(chain, q[b0:b1, h0:h1], k[b0:b1, kv], v[b0:b1, kv], env,
-                      out[b0:b1, h0:h1], chunk_size, run)
+                      out[b0:b1, h0:h1], chunk_size, acc, run)
         for name, x in part.items():
             if env[name] is not x:
                 x.copy_(env[name])
     return out
 
 
-def _run_segments(chain, q, k, v, env, out, chunk_size, run):
+def _run_segments(chain, q, k, v, env, out, chunk_size, acc, run):
     """run(env with q, k, v, out) over the whole of T, or over consecutive segments of
     `segment_tokens` (copies of the inputs' slices; on a GPU within `gpu_scratch_budget`), the
-    state in env carried between them."""
+    state in env (accumulation dtype `acc`) carried between them."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype))
+    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, acc)
     if seg < T and q.device.type != "cpu":
-        seg = segment_tokens(chain, B, H, dk, dv, chunk_size, state_dtype(q.dtype),
-                             gpu_scratch_budget(q.device))
+        seg = segment_tokens(chain, B, H, dk, dv, chunk_size, acc, gpu_scratch_budget(q.device))
     for start in range(0, T, seg):
         end = min(T, start + seg)
         qs, ks, vs, os_ = (x[:, :, start:end] for x in (q, k, v, out))

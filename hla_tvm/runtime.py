@@ -372,8 +372,7 @@ class CompiledModel:
             prefill_pieces(t.shape[1], (self.meta.get("config") or {}).get("chunk_size"))
         out = None
         for start, end in zip(bounds, bounds[1:]):
-            part, state = self._run("prefill", t if len(bounds) == 2 else
-                                    np.ascontiguousarray(t[:, start:end]), state)
+            part, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state)
             if last:
                 out = part[:, -1].copy()
             elif len(bounds) == 2:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 def _scalar(expr, value=None):
     """The float of a scalar Relax constant `expr` (equal to `value` when given), else None."""
-    import numpy as np
     import tvm
 
     if not isinstance(expr, tvm.ir.expr.Constant):
@@ -19,7 +18,7 @@ def _scalar(expr, value=None):
     array = expr.value.numpy()
     if array.ndim != 0:
         return None
-    got = float(np.asarray(array).reshape(()))
+    got = float(array)
     return got if value is None or got == value else None
 
 
