@@ -39,20 +39,23 @@ def _measure(fn, runs, number=1, probe=None):
 def settle(most=1.0, window=0.005):
     """Wait, up to `most` seconds, until this process's threads are idle (under a tenth of a
     core over `window` seconds): thread pools (PyTorch's OpenMP workers, ONNX Runtime's) keep
-    spinning for a while after their work, taking the cores from whatever runs next."""
+    spinning for a while after their work, taking the cores from whatever runs next. Returns
+    whether they went idle in time."""
     end = time.perf_counter() + most
     while time.perf_counter() < end:
         c0 = time.process_time()
         time.sleep(window)
         if time.process_time() - c0 < window / 10:
-            return
+            return True
+    return False
 
 
-def _measure_rounds(cases, runs, number=1, probe=None):
+def _measure_rounds(cases, runs, number=1, probe=None, busy=None):
     """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
     rounds (each round times `number` calls of every case in turn), after each case's warm-up
     (two calls; the second through `probe(name, fn)` when given): a slow or fast spell of a
-    noisy machine falls on every case alike, not on whichever ran then."""
+    noisy machine falls on every case alike, not on whichever ran then. `busy` (a dict), when
+    given, gets {name: runs that started before the process went idle (`settle` gave up)}."""
     for name, fn in cases.items():
         fn()
         if probe is None:
@@ -62,7 +65,8 @@ def _measure_rounds(cases, runs, number=1, probe=None):
     times = {name: [] for name in cases}
     for _ in range(runs):
         for name, fn in cases.items():
-            settle()
+            if not settle() and busy is not None:
+                busy[name] = busy.get(name, 0) + 1
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
@@ -255,10 +259,12 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     def probe(name, fn):
         peaks[name] = peak_rss_growth(fn)
 
-    times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None)
+    busy = {}
+    times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None, busy)
     results = {}
     for name, ts in times.items():
-        results[name] = {"median_s": statistics.median(ts), "min_s": min(ts), "runs": repeat}
+        results[name] = {"median_s": statistics.median(ts), "min_s": min(ts), "runs": repeat,
+                         "busy_runs": busy.get(name, 0)}
         if name in peaks:
             results[name]["peak_bytes"] = peaks[name]
     extra = {}
@@ -305,6 +311,12 @@ def _table(report, out):
             line += (f"; tvm kernels {report['tvm_gflops']:.0f} GFLOP/s "
                      f"({report['tvm_gflops'] / report['sgemm_gflops']:.0%} of sgemm)")
         out(line)
+    busy = {name: r["busy_runs"] for name, r in res.items() if r.get("busy_runs")}
+    if busy:
+        out("note: " + ", ".join(f"{n} {k} of {r['runs']}" for n, k, r in
+                                 ((n, k, res[n]) for n, k in busy.items())) +
+            " timed runs started with this process still busy after waiting 1 s (threads "
+            "still working, or another program on the cores): those times may be high")
     out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +
         ("; peak mem: growth of the resident set over one call)" if peak else ")"))
 

@@ -111,11 +111,13 @@ def merge_entries(mods):
 def prepare(mod, target):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
     scheduled: embedding lookups clamped (`safe_take`), RMSNorms as one operator each
-    (`fused_rms_norm`), then `legalize`d."""
+    (`fused_rms_norm`), projection scales next to their products (`scale_epilogue`), then
+    `legalize`d."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.safe_take import safe_take
+    from .frontend.scale_epilogue import scale_epilogue
 
-    return legalize(fused_rms_norm(safe_take(mod)), target)
+    return legalize(scale_epilogue(fused_rms_norm(safe_take(mod))), target)
 
 
 def legalize(mod, target):

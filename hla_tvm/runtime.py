@@ -349,7 +349,8 @@ class CompiledModel:
     def prefill(self, tokens, state, logits="all"):
         """(logits numpy, state) after the prompt `tokens` [B, T]: logits [B, T, vocab] for
         logits="all", those of the last position [B, vocab] for "last" (what generation
-        needs: on a CPU a long prompt then holds no [B, T, vocab] array). On a CPU a long
+        needs: only those rows are copied from the module's output, from a GPU too, and on a
+        CPU a long prompt then holds no [B, T, vocab] array). On a CPU a long
         prompt runs in pieces of whole chunks (`prefill_pieces`), each continuing the state
         the piece before left: the same logits, with the module's per-chunk buffers bounded by
         the piece, not the prompt. Continue from the returned state: the given tensors may
@@ -372,10 +373,9 @@ class CompiledModel:
             prefill_pieces(t.shape[1], (self.meta.get("config") or {}).get("chunk_size"))
         out = None
         for start, end in zip(bounds, bounds[1:]):
-            part, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state)
-            if last:
-                out = part[:, -1].copy()
-            elif len(bounds) == 2:
+            part, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state,
+                                    last)
+            if last or len(bounds) == 2:
                 out = part
             else:
                 if out is None:
@@ -388,7 +388,9 @@ class CompiledModel:
         t = self._tokens(tokens, 1, "tokens")
         return self._run("decode", t, state)
 
-    def _run(self, entry, tokens, state):
+    def _run(self, entry, tokens, state, last=False):
+        """(logits numpy, new state) of `entry`; logits [B, T, ...] of a prefill are those of
+        the last position alone, [B, ...], when `last` (copied alone from the device)."""
         vm = self._vm()
         state = self._check_state(state, tokens.shape[0])
         batch = tokens.shape[0]
@@ -398,7 +400,19 @@ class CompiledModel:
         new_state = res[1:]
         # a copy: the caller's list may change
         self._local.issued = (tuple(new_state), batch)
+        if last:
+            return last_position(res[0]), new_state
         return (res[0].numpy() if self.on_gpu else np.from_dlpack(res[0]).copy()), new_state
+
+
+def last_position(logits):
+    """numpy [B, ...] of a TVM tensor [B, T, ...] (compact, on any device) at t = T - 1: the B
+    rows are copied alone, through views, not the whole tensor."""
+    shape = tuple(int(n) for n in logits.shape)
+    row = shape[2:]
+    size = int(np.prod(row, dtype=np.int64)) * np.dtype(str(logits.dtype)).itemsize
+    return np.stack([logits._create_view(row, logits.dtype, relative_byte_offset=(
+        (b * shape[1] + shape[1] - 1) * size)).numpy() for b in range(shape[0])])
 
 
 # Tokens per piece of a CPU prefill (`prefill_pieces`). The shipped demo model (2 heads of 64,

@@ -24,7 +24,7 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
         assert case in out
     report = json.loads((tmp_path / "d.json").read_text())
     assert report["mode"] == "decode" and set(report["machine"]) == {"cpu", "cores", "isa"}
-    assert set(report["results"]["tvm"]) == {"median_s", "min_s", "runs"}
+    assert set(report["results"]["tvm"]) == {"median_s", "min_s", "runs", "busy_runs"}
     assert main(["bench", "prefill", "--seq", "128", "--heads", "2", "--dk", "8",
                  "--chunk-size", "16", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
@@ -36,6 +36,18 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
     assert "H=4 Hkv=2" in capsys.readouterr().out
     _fails_in_one_line(capsys, ["bench", "--heads", "4", "--kv-heads", "3"],
                        "kv_heads=3 must divide heads=4")
+
+
+def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
+    """A timed run that started before the process went idle (settle gave up after 1 s) is
+    counted and named under the table, not passed over."""
+    from hla_tvm import bench
+
+    assert "note:" not in capsys.readouterr().out
+    monkeypatch.setattr(bench, "settle", lambda: False)
+    assert main(["bench", "decode", "--heads", "2", "--dk", "8", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: tvm 2 of 2, " in out and "still busy after waiting 1 s" in out
 
 
 def test_cache_lists_folder(capsys):

@@ -303,3 +303,74 @@ def test_rms_norm_rewrite_leaves_what_it_cannot_take(shape, dtype, axis):
     out = fused_rms_norm(bb.get())
     assert "R.nn.rms_norm(" not in out["main"].script()
     relax.transform.LegalizeOps()(out)
+
+
+def test_decode_scales_run_in_their_projections():
+    """At decode (T = 1) the q and k scales, (x @ W).view(B, 1, H, d).transpose(1, 2) / sqrt(d),
+    become the projections' epilogues: the transposes move only the unit axis (reshapes), and
+    the scale moves past the reshapes to the product. Prefill's transposes move T and stay.
+    Numerics: the compiled models above against PyTorch."""
+    from hla_tvm import compiler
+    from hla_tvm.frontend.scale_epilogue import scale_epilogue
+
+    torch.manual_seed(0)
+    model = HLALM(VOCAB, 32, 3, 4, chunk_size=16).eval()
+    mod = compiler.to_relax(model, target=compiler.resolve_model_target("llvm"))
+    out = scale_epilogue(mod)
+    decode = out["decode"].script()
+    assert "R.permute_dims(lv" not in decode   # (the weights' transposes are constants)
+    scales = [line for line in decode.splitlines() if "R.divide(" in line]
+    assert len(scales) == 2 * 3
+    products = {line.split(":")[0].strip() for line in decode.splitlines()
+                if "R.matmul(" in line}
+    assert all(line.split("R.divide(")[1].split(",")[0] in products for line in scales)
+    prefill = out["prefill"].script()
+    assert prefill.count("R.permute_dims(lv") == mod["prefill"].script().count(
+        "R.permute_dims(lv")
+    assert "R.divide(lv" in mod["decode"].script() and \
+        mod["decode"].script().count("R.permute_dims(lv") > 0   # the caller's module kept
+
+
+def _run_relax(mod, *args):
+    import tvm
+    from tvm import relax
+
+    exe = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+@pytest.mark.parametrize("case", ["unit", "moves_t", "symbolic", "const_first", "vector"])
+def test_scale_epilogue_keeps_values(case):
+    """Each rewrite gives the values of numpy's float64 product, and leaves alone what it cannot take: a
+    transpose moving a non-unit (or symbolic) axis stays a transpose, a constant that is not
+    0-d stays after the reshape, c / reshape(z) keeps its operand order."""
+    import tvm
+    from tvm import relax
+
+    from hla_tvm.frontend.scale_epilogue import scale_epilogue
+
+    t = tvm.tirx.Var("t", "int64") if case == "symbolic" else (3 if case == "moves_t" else 1)
+    c = relax.const(np.full(3, 4.0, "float32") if case == "vector" else np.float32(4.0))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([2, t, 6], "float32"))
+    w = np.random.default_rng(0).standard_normal((6, 6)).astype("float32")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.matmul(x, relax.const(w)))
+            r = bb.emit(relax.op.reshape(m, [2, t, 2, 3]))
+            p = bb.emit(relax.op.permute_dims(r, [0, 2, 1, 3]))
+            y = bb.emit_output(relax.op.divide(c, p) if case == "const_first"
+                               else relax.op.divide(p, c))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    out = scale_epilogue(mod)
+    text = out["main"].script()
+    moved = case in ("unit", "const_first")
+    assert ("R.permute_dims(" in text) == (case in ("moves_t", "symbolic"))
+    assert ("R.divide(lv, " in text or "R.divide(R.const(4.0" in text and "lv)" in text) == moved
+    xs = np.random.default_rng(1).standard_normal((2, 3 if case in ("moves_t", "symbolic")
+                                                   else 1, 6)).astype("float32")
+    p = (xs.astype(np.float64) @ w).reshape(2, -1, 2, 3).transpose(0, 2, 1, 3)
+    want = 4.0 / p if case == "const_first" else p / 4.0
+    np.testing.assert_allclose(_run_relax(out, xs), want, rtol=1e-5, atol=1e-6)

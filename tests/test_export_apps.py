@@ -127,3 +127,35 @@ def test_script_prefill_pieces_equal_the_runtime():
     for T in [2, 3, 64, 4095, 4096, 4097, 4098, 8193, 12289, 20000]:
         for chunk in (None, 16, 48, 64, 100, 5000):
             assert ns["prefill_pieces"](T, chunk) == runtime.prefill_pieces(T, chunk), (T, chunk)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_cpp_prefill_pieces_equal_the_runtime(tmp_path):
+    """The C++ app's PrefillPieces (its source, compiled alone) gives hla_tvm.runtime's
+    boundaries over a grid of prompt lengths and chunks (the app runs where hla_tvm is not
+    installed, so it holds the rule too)."""
+    import re
+
+    from hla_tvm import runtime
+
+    source = open(os.path.join(ROOT, "export", "cpp", "main.cc")).read()
+    rule = re.search(r"^constexpr int64_t kPrefillPiece = (\d+);\n.*?^}\n", source,
+                     re.M | re.S)
+    assert rule and int(rule.group(1)) == runtime.PREFILL_PIECE
+    (tmp_path / "pieces.cc").write_text(
+        "#include <algorithm>\n#include <cstdint>\n#include <cstdio>\n#include <vector>\n"
+        + rule.group(0) + "int main() {\n  long long T, chunk;\n"
+        "  while (std::scanf(\"%lld %lld\", &T, &chunk) == 2) {\n"
+        "    for (int64_t b : PrefillPieces(T, chunk)) std::printf(\"%lld \", (long long)b);\n"
+        "    std::printf(\"\\n\");\n  }\n}\n")
+    subprocess.run(["c++", "-std=c++17", "-O1", "-o", str(tmp_path / "pieces"),
+                    str(tmp_path / "pieces.cc")], check=True, timeout=120)
+    pairs = [(T, chunk) for T in [*range(2, 70), *range(4000, 4200), 8191, 8192, 8193, 12289,
+                                  65536, 65537, 70001]
+             for chunk in (0, 1, 2, 3, 16, 48, 64, 100, 128, 4096, 5000)]
+    run = subprocess.run([str(tmp_path / "pieces")], input="".join(
+        f"{T} {chunk}\n" for T, chunk in pairs), capture_output=True, text=True, timeout=120)
+    got = [[int(b) for b in line.split()] for line in run.stdout.splitlines()]
+    assert len(got) == len(pairs)
+    for (T, chunk), bounds in zip(pairs, got):
+        assert bounds == runtime.prefill_pieces(T, chunk or None), (T, chunk)
