@@ -7,8 +7,9 @@ Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s):
     chunk_cross    QP = Q Pc, Qm = Q mc (kept for the output),
                    ddE = K^T (gl QP + A (tail V)),  ddn = K^T (gl Qm + A tail)   (parallel)
     chunk_scan     E, n with ddE, ddn: record Ec, nc, advance                   (sequential)
-    chunk_output   O = diag(g^t) (Q Ec + A QP) + ((A A) * Gamma) V               (parallel)
-                   [/ (g^t (Q nc + A Qm) + ((A A) * Gamma) 1 + eps)]
+    chunk_output   O = D Q Ec + At (D QP + At V), D = diag(g^t), At = A * Gamma: that is
+                   D (Q Ec + A QP) + ((A A) * Gamma) V                          (parallel)
+                   [/ (D Q nc + At (D Qm + At 1) + eps)]
     decode         one token in place: P = gP + k v^T, m = gm + k, E = gE + k (q^T P),
                    n = gn + k (q^T m), o = q^T E [/ (q^T n + eps)]
 With grouped heads (group > 1) the key/value-head buffers (k, v, P, m, dP, dm, Pc, mc, gl) are
@@ -156,9 +157,12 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
 
 
 def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="float32", group=1):
-    """O = diag(g^t) (Q Ec + A QP) + ((A A) * Gamma) V  [/ (g^t (Q nc + A Qm)
-    + ((A A) * Gamma) 1 + eps)] per chunk; Ec [B, H, NC, dk, dv], nc [B, H, NC, dk] and the
-    cross kernel's QP = Q Pc [B, H, NC, n, dv], Qm = Q mc [B, H, NC, n]."""
+    """O = D Q Ec + At (D QP + At V)  [/ (D Q nc + At (D Qm + At 1) + eps)] per chunk, with
+    D = diag(g^t), At = A * Gamma; this is D (Q Ec + A QP) + ((A A) * Gamma) V [/ (D (Q nc +
+    A Qm) + ((A A) * Gamma) 1 + eps)], since At = D A D^-1 (so At D = D A and At At =
+    D (A A) D^-1 = (A A) * Gamma, A being lower triangular): four products, not five. Ec [B, H,
+    NC, dk, dv], nc [B, H, NC, dk] and the cross kernel's QP = Q Pc [B, H, NC, n, dv],
+    Qm = Q mc [B, H, NC, n]."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
 
@@ -184,12 +188,12 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
         KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         A0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        A = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        AA = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        M = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        At = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        AV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        Y = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         QE = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        AQP = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
-        MV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        AY = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
+        rs = T.sblock_alloc_buffer((B, H, NC, n), acc)
         den = T.sblock_alloc_buffer((B, H, NC, n), acc)
         pw = T.sblock_alloc_buffer((B, H, NC, n + 1), acc)
         for b, hh, c in T.grid(B, H, NC):
@@ -200,19 +204,25 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
             _matmul(A0, Qc, KT, b, hh, c, n, n, dk, False, "A0")
             for t, s in T.grid(n, n):
-                with T.sblock("A"):
+                with T.sblock("At"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                    A[vb, vh, vc, vt, vs] = T.Select(vs <= vt, A0[vb, vh, vc, vt, vs], _c(0))
-            _matmul(AA, A, A, b, hh, c, n, n, n, False, "AA", True)
-            for t, s in T.grid(n, n):
-                with T.sblock("M"):
-                    vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                    M[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, AA[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
+                    At[vb, vh, vc, vt, vs] = T.Select(
+                        vs <= vt, A0[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
+            _matmul(AV, At, Vc, b, hh, c, n, dv, n, False, "AV", True)
+            for t, x in T.grid(n, dv):
+                with T.sblock("Y"):
+                    vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
+                    Y[vb, vh, vc, vt, vx] = pw[vb, vh, vc, vt + 1] * QP[vb, vh, vc, vt, vx] \
+                        + AV[vb, vh, vc, vt, vx]
             _matmul(QE, Qc, Ec, b, hh, c, n, dv, dk, False, "QE")
-            _matmul(AQP, A, QP, b, hh, c, n, dv, n, False, "AQP", True)
-            _matmul(MV, M, Vc, b, hh, c, n, dv, n, False, "MV", True)
+            _matmul(AY, At, Y, b, hh, c, n, dv, n, False, "AY", True)
             if normalize:
+                for t, s in T.grid(n, n):
+                    with T.sblock("rs"):
+                        vb, vh, vc, vt, vs = T.axis.remap("SSSSR", [b, hh, c, t, s])
+                        with T.init():
+                            rs[vb, vh, vc, vt] = pw[vb, vh, vc, vt + 1] * Qm[vb, vh, vc, vt]
+                        rs[vb, vh, vc, vt] = rs[vb, vh, vc, vt] + At[vb, vh, vc, vt, vs]
                 for t, i in T.grid(n, dk + n):
                     with T.sblock("den"):
                         vb, vh, vc, vt, vi = T.axis.remap("SSSSR", [b, hh, c, t, i])
@@ -223,20 +233,18 @@ def chunk_output(dk: int, dv: int, n: int, *, normalize=False, eps=1e-6, dtype="
                             pw[vb, vh, vc, vt + 1] * Qc[vb, vh, vc, vt, T.min(vi, dk - 1)]
                             * nc[vb, vh, vc, T.min(vi, dk - 1)],
                             T.Select(vi - dk <= vt,
-                                     pw[vb, vh, vc, vt + 1] * A[vb, vh, vc, vt, T.max(vi - dk, 0)]
-                                     * Qm[vb, vh, vc, T.max(vi - dk, 0)], _c(0))
-                            + M[vb, vh, vc, vt, T.max(vi - dk, 0)])
+                                     At[vb, vh, vc, vt, T.max(vi - dk, 0)]
+                                     * rs[vb, vh, vc, T.max(vi - dk, 0)], _c(0)))
             for t, x in T.grid(n, dv):
                 with T.sblock("o"):
                     vb, vh, vc, vt, vx = T.axis.remap("SSSSS", [b, hh, c, t, x])
                     T.where(c * n + t < L)
                     if normalize:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            pw[vb, vh, vc, vt + 1] * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
-                            + MV[vb, vh, vc, vt, vx]) / (den[vb, vh, vc, vt] + _c(eps)))
+                            pw[vb, vh, vc, vt + 1] * QE[vb, vh, vc, vt, vx] + AY[vb, vh, vc, vt, vx])
+                            / (den[vb, vh, vc, vt] + _c(eps)))
                     else:
                         o[vb, vh, vc * n + vt, vx] = T.Cast(io, (
-                            pw[vb, vh, vc, vt + 1] * (QE[vb, vh, vc, vt, vx] + AQP[vb, vh, vc, vt, vx])
-                            + MV[vb, vh, vc, vt, vx]))
+                            pw[vb, vh, vc, vt + 1] * QE[vb, vh, vc, vt, vx] + AY[vb, vh, vc, vt, vx]))
 
     return ahla_chunk_output
