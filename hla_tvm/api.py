@@ -46,7 +46,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     if backend == "tvm":
         validate.no_gradients("backend='tvm'", q=q, k=k, v=v, state=state, decay=decay)
     if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
-            and isinstance(return_state, bool):
+            and q.shape[0] > 0 and isinstance(return_state, bool):
         step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
                          decay, attention_mask, target, chunk_size, schedules)
         if step is not None:
@@ -67,6 +67,12 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     if backend == "tvm":
         _tvm_not_yet(op, decay=decay, device=q.device)
+    if B == 0:   # an empty batch: an empty output and state
+        shapes = op.state_shapes(B, H, Hkv, dk, dv)
+        out = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
+        new_state = {n: torch.empty(shapes[n], dtype=state_dtype(q.dtype), device=q.device)
+                     for n in op.state_names}
+        return (out, new_state) if return_state else out
     if backend == "torch":
         k, v, state = _expand_groups(op, k, v, state, group)
         out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
@@ -105,7 +111,7 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
         for name, shape in zip(plan.names, plan.shapes):
             x = state.get(name)
             if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or \
-                    x.shape != shape:
+                    x.shape != shape or x.is_meta:
                 return None
             st.append(private_copy(x, plan.acc, plan.device))
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
@@ -150,7 +156,10 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
         # inf/NaN in a padded position has no effect
         qw, kw, vw = (_zero_padding(x, mask) for x in (qw, kw, vw))
         mask = None
-    if mask is not None or not all(bool(torch.isfinite(x).all()) for x in (qw, kw, vw)):
+    # (under torch.compile, which traces the custom op's backward through here, a branch on
+    # the values cannot be traced: the chunk form runs, exact for finite inputs)
+    if mask is not None or (not torch.compiler.is_compiling() and not all(
+            bool(torch.isfinite(x).all()) for x in (qw, kw, vw))):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
     else:   # every chunk at once (`fast.chunk`)

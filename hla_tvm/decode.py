@@ -57,6 +57,9 @@ class _Plan:
         from .reference._common import gamma
         from .target import for_device
 
+        if not (q.dim() == k.dim() == v.dim()) and {q.dim(), k.dim(), v.dim()} <= {3, 4}:
+            raise ValueError(f"decode_ takes q, k, v all [B, H, D] or all [B, H, 1, D], got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         q4, k4, v4 = (x if x.dim() == 4 else x.unsqueeze(2) for x in (q, k, v))
         B, H, Hkv, T, dk, dv = validate.qkv(q4, k4, v4)
         if T != 1:
@@ -215,6 +218,13 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
     plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
+    if plan.out_shape[0] == 0:   # an empty batch: nothing to advance
+        plan.check_state(state)
+        if out is not None:
+            plan.check_out(out)
+            return out
+        return torch.empty(plan.out_shape if plan.ndim == 4 else plan.out_shape[:2] +
+                           plan.out_shape[3:], dtype=plan.dtype, device=plan.device)
     try:
         st = plan.get(state)
         ok = len(state) == len(plan.names)
@@ -234,7 +244,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
         # the compiled function checks every argument's shape, dtype, layout and device before
         # it writes anything; its complaint is explained below
         plan.run(q, k, v, st, o)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RuntimeError):
         plan.check_state(state)
         if out is not None:
             plan.check_out(out)

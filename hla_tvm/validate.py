@@ -37,6 +37,7 @@ def qkv(q, k, v):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    has_values("q", q)
     B, H, T, dk = q.shape
     if T == 0 or dk == 0 or v.shape[-1] == 0:
         raise ValueError(f"q and v need T >= 1 and head sizes >= 1, got q {tuple(q.shape)}, "
@@ -51,6 +52,15 @@ def qkv(q, k, v):
         raise ValueError(f"v must have shape [B, Hkv, T, Dv] = [{B}, {Hkv}, {T}, Dv] to match k "
                          f"{tuple(k.shape)}, got {tuple(v.shape)}")
     return B, H, Hkv, T, dk, v.shape[-1]
+
+
+def has_values(name, x):
+    """ValueError naming `name` when tensor x is on the meta device (shapes, no values): the
+    operator computes values. (torch.export and the nn layers trace meta and fake tensors
+    through the custom op's shape function instead.)"""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values; the operator "
+                         "needs tensors with data (CPU or CUDA)")
 
 
 def real(name, value, *, low=None, low_open=False, high=None):
@@ -118,6 +128,8 @@ def decay(value, heads):
     expanded to [H] when it requires grad)."""
     if value is None:
         return None
+    if isinstance(value, torch.Tensor):
+        has_values("decay", value)
     if isinstance(value, torch.Tensor) and value.dim() == 0:   # (one value for every head)
         value = value.expand(heads) if value.requires_grad else value.item()
     elif isinstance(value, (list, tuple)) or type(value).__module__ == "numpy":
@@ -135,7 +147,9 @@ def decay(value, heads):
                              f"got {tuple(value.shape)}")
         if not value.dtype.is_floating_point:
             raise TypeError(f"decay must be a floating tensor, got {value.dtype}")
-        if not bool(((value > 0) & (value <= 1)).all()):
+        # (not under torch.compile, which traces the custom op's backward through here and
+        # cannot branch on values; the forward checked them)
+        if not torch.compiler.is_compiling() and not bool(((value > 0) & (value <= 1)).all()):
             raise ValueError("decay values must lie in (0, 1]")
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -157,6 +171,7 @@ def state(st, shapes, context):
             raise TypeError(f"state[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"state[{name!r}] must be floating, got {x.dtype}")
+        has_values(f"state[{name!r}]", x)
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"state[{name!r}] must have shape {list(want)} for {context}, "
                              f"got {tuple(x.shape)}")
@@ -172,6 +187,7 @@ def attention_mask(mask, B, T):
     if tuple(mask.shape) != (B, T):
         raise ValueError(f"attention_mask must have shape [B, T] = [{B}, {T}], "
                          f"got {tuple(mask.shape)}")
+    has_values("attention_mask", mask)
     if mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     return mask.bool()

@@ -186,3 +186,77 @@ def test_init_state_names_a_bad_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="PyTorch sees no CUDA GPU here"):
             init_state(1, 2, 4, device="cuda")
+
+
+@pytest.mark.parametrize("backend", ["tvm", "torch"])
+@pytest.mark.parametrize("opts", [dict(), dict(decay=0.9), dict(order=3, decay=0.9),
+                                  dict(asymmetric=True)])
+def test_an_empty_batch_gives_empty_results(backend, opts):
+    """B = 0 (prefill, one token, a model) returns empty outputs and states of the right
+    shapes, as PyTorch's own operators do."""
+    from hla_tvm import decode_, init_state
+    from hla_tvm.models import HLALM
+
+    for T in (70, 1):
+        z = torch.randn(0, 2, 70, 16)[:, :, :T]
+        out, st = hla(z, z, z, backend=backend, return_state=True, **opts)
+        assert out.shape == (0, 2, T, 16)
+        full = init_state(1, 2, 16, order=opts.get("order", 2),
+                          asymmetric=opts.get("asymmetric", False))
+        assert {n: x.shape[1:] for n, x in st.items()} == \
+            {n: x.shape[1:] for n, x in full.items()} and all(x.shape[0] == 0 for x in st.values())
+    q = torch.randn(0, 2, 16)
+    assert decode_(q, q, q, {n: x[:0] for n, x in full.items()}, **opts).shape == (0, 2, 16)
+    model = HLALM(10, 16, 1, 2, decay=opts.get("decay"), order=opts.get("order", 2))
+    assert model(torch.zeros(0, 5, dtype=torch.long))[0].shape == (0, 5, 10)
+
+
+def test_meta_tensors_are_named():
+    """Tensors without values (the meta device) are refused naming the argument: q, a state
+    entry (in a prefill and in one-token calls), attention_mask, decay."""
+    from hla_tvm import decode_
+
+    m = torch.randn(1, 2, 10, 8, device="meta")
+    q = torch.randn(1, 2, 10, 8)
+    for backend in ("tvm", "torch"):
+        with pytest.raises(ValueError, match="q is on the meta device"):
+            hla(m, m, m, backend=backend)
+    _, st = hla(q, q, q, return_state=True)
+    meta = {n: x.to("meta") for n, x in st.items()}
+    for x in (q, q[:, :, :1]):
+        with pytest.raises(ValueError, match=r"state\['S'\] is on the meta device"):
+            hla(x, x, x, state=meta)
+    with pytest.raises(ValueError, match=r"state\['S'\] must be on cpu"):
+        decode_(q[:, :, 0], q[:, :, 0], q[:, :, 0], meta)
+    with pytest.raises(ValueError, match="attention_mask is on the meta device"):
+        hla(q, q, q, attention_mask=torch.ones(1, 10, device="meta"))
+    with pytest.raises(ValueError, match="decay is on the meta device"):
+        hla(q, q, q, decay=torch.full((2,), 0.9, device="meta"))
+
+
+def test_decode_names_mixed_token_layouts():
+    from hla_tvm import decode_, init_state
+
+    st = init_state(1, 2, 8)
+    a, b = torch.randn(1, 2, 8), torch.randn(1, 2, 1, 8)
+    for q, kv in ((a, b), (b, a)):
+        with pytest.raises(ValueError, match=r"all \[B, H, D\] or all \[B, H, 1, D\]"):
+            decode_(q, kv, kv, st)
+
+
+def test_model_decay_takes_what_the_layer_takes():
+    """HLALM(decay=...) takes a 0-d tensor and a numpy scalar as the layer does, and refuses a
+    bool (as hla() does); a prompt of no tokens is named as such."""
+    import numpy as np
+
+    from hla_tvm.models import HLALM
+    from hla_tvm.nn import HLAttention
+
+    for d in (torch.tensor(0.5), np.float32(0.5), 0.5):
+        assert HLALM(10, 16, 1, 2, decay=d).config["decay"] == 0.5
+    assert HLALM(10, 16, 1, 2, decay=torch.tensor([0.5, 0.25])).config["decay"] == [0.5, 0.25]
+    for make in (lambda: HLALM(10, 16, 1, 2, decay=True), lambda: HLAttention(16, 2, decay=True)):
+        with pytest.raises(TypeError, match="got a bool"):
+            make()
+    with pytest.raises(ValueError, match="tokens must hold T >= 1"):
+        HLALM(10, 16, 1, 2)(torch.zeros(1, 0, dtype=torch.long))

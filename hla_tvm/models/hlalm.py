@@ -34,6 +34,18 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), state
 
 
+def _decay_config(decay):
+    """The checkpoint's decay: None, one float, or a list of floats (one per key/value head),
+    from a number, a 0-d or 1-d tensor, a numpy value or a sequence (`HLAttention` checks the
+    values)."""
+    if decay is None:
+        return None
+    if isinstance(decay, bool):
+        raise TypeError("decay must be a number in (0, 1] or one per key/value head, got a bool")
+    values = torch.as_tensor(decay, dtype=torch.float64)
+    return float(values) if values.dim() == 0 else [float(x) for x in values.flatten()]
+
+
 class HLALM(nn.Module):
     """Token embedding, n_layers pre-norm blocks (RMSNorm -> HLAttention -> RMSNorm -> SwiGLU),
     final norm, tied or untied output head.
@@ -53,9 +65,7 @@ class HLALM(nn.Module):
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                            n_heads=n_heads, order=order, asymmetric=asymmetric,
                            head_dim=head_dim, n_kv_heads=n_kv_heads,
-                           decay=None if decay is None else
-                           (float(decay) if isinstance(decay, (int, float)) else
-                            [float(x) for x in decay]),
+                           decay=_decay_config(decay),
                            normalize=normalize, masked=masked, mlp_hidden=mlp_hidden,
                            tie_embeddings=tie_embeddings, chunk_size=chunk_size)
         if vocab is not None:   # (absent otherwise: older checkpoints keep their digest)
@@ -78,6 +88,9 @@ class HLALM(nn.Module):
             raise ValueError("tokens must be an integer tensor [B, T], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
                              f"{tuple(getattr(tokens, 'shape', ()))}")
+        if tokens.shape[1] == 0:
+            raise ValueError(f"tokens must hold T >= 1 tokens a sequence, got shape "
+                             f"{tuple(tokens.shape)}")
         if state is not None and len(state) != len(self.blocks):
             raise ValueError(f"state must hold {len(self.blocks)} layer states, got {len(state)}")
         x = self.embed(tokens)

@@ -67,6 +67,9 @@ class HLAttention(nn.Module):
         if decay is None:
             self.register_buffer("decay", None)
         else:
+            if isinstance(decay, bool):
+                raise TypeError("decay must be a number in (0, 1] or one per key/value head, "
+                                "got a bool")
             g = torch.as_tensor(decay, dtype=torch.float32).flatten()
             g = g.expand(hkv) if g.numel() == 1 else g
             if g.numel() != hkv or not bool(((g > 0) & (g <= 1)).all()):

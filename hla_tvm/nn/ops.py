@@ -8,7 +8,7 @@
 state lists the operator's summaries in `state_names(order, asymmetric)` order, or is empty for
 a fresh sequence (the new state is returned either way: float64 for float64 inputs, else
 float32); it runs the PyTorch reference (`hla_tvm.hla(..., backend="torch")`) and is
-differentiable in q, k, v and the state. The compile path maps this node onto the TensorIR
+differentiable in q, k, v, the state and decay. The compile path maps this node onto the TensorIR
 kernels."""
 from __future__ import annotations
 
@@ -58,21 +58,29 @@ def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, c
 
 def _setup_context(ctx, inputs, output):
     q, k, v, state, decay, *opts = inputs
-    ctx.save_for_backward(q, k, v, *state)
-    ctx.decay, ctx.opts, ctx.n_state = decay, opts, len(state)
+    ctx.save_for_backward(q, k, v, decay, *state)
+    ctx.opts, ctx.n_state = opts, len(state)
 
 
 def _backward(ctx, grads_out):
-    """Recompute through the differentiable reference and pull the gradients back."""
+    """Recompute through the differentiable reference and pull the gradients back (to q, k, v,
+    the state and decay)."""
     grad_out, grad_state = grads_out[0], grads_out[1:]
-    q, k, v, *state = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+    q, k, v, decay, *state = ctx.saved_tensors
+    q, k, v, *state = (x.detach().requires_grad_() for x in (q, k, v, *state))
+    wrt = [q, k, v, *state]
+    if decay is not None and ctx.needs_input_grad[4]:
+        decay = decay.detach().requires_grad_()
+        wrt.append(decay)
     with torch.enable_grad():
-        out, st = _run(q, k, v, state, ctx.decay, *ctx.opts)
+        out, st = _run(q, k, v, state, decay, *ctx.opts)
         pairs = [(out, grad_out)] + [(s, g) for s, g in zip(st, grad_state) if g is not None]
-        grads = torch.autograd.grad([p for p, _ in pairs], [q, k, v, *state],
-                                    [g for _, g in pairs], allow_unused=True)
-    gq, gk, gv, *gs = grads
-    return gq, gk, gv, list(gs), None, None, None, None, None, None, None, None
+        grads = torch.autograd.grad([p for p, _ in pairs], wrt, [g for _, g in pairs],
+                                    allow_unused=True)
+    gq, gk, gv = grads[:3]
+    gs = grads[3:3 + ctx.n_state]
+    gd = grads[3 + ctx.n_state] if len(grads) > 3 + ctx.n_state else None
+    return gq, gk, gv, list(gs), gd, None, None, None, None, None, None, None
 
 
 hla_op.register_autograd(_backward, setup_context=_setup_context)
