@@ -7,7 +7,7 @@ WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len,
     chunk_scan     S, P, m (key/value heads): record Sc, Pc, mc                        (sequential)
     chunk_cross    Y = diag(gt) Q Pc + WG V,  y = diag(gt) Q mc + WG 1,
                    U^T = diag(gt) Q Sc + WG K,  ddF = U (tail * Y),  ddeta = U (tail * y),
-                   M = (diag(gt) Q Sc Q^T + WG W^T) * L;   writes ddF, ddeta, M, Y, y   (parallel)
+                   M = (Q U) * Gamma;   writes ddF, ddeta, M, Y, y                  (parallel)
     chunk_scan     F, eta with ddF, ddeta                                             (sequential)
     chunk_output   O = diag(gt) Q Fc + M Y  [/ (gt Q etac + M y + eps)]                (parallel)
     decode         one token in place: S, P, m, then F = gF + (S q)(q^T P),
@@ -15,9 +15,11 @@ WG = W * Gamma (Gamma[t, s] = g^(t-s) [s <= t]), tail_s = g^(len-s), gl = g^len,
 
 F' = gl F + sum_s g^(len-s) (S_s q_s)(q_s^T P_s) with S_s q_s = g^s Sc q_s + (K^T WG^T)_s and
 q_s^T P_s = g^s q_s^T Pc + (WG V)_s (rows of U and Y); S is symmetric (a sum of k k^T), so
-(Sc Q^T)^T = Q Sc serves both U and M. Twelve d^3-sized products a chunk, all but two (Q Fc,
-M Y) before the scan of F. With grouped heads (group > 1) query head h reads the key/value-head
-buffers (S, P, m, their records, gl) at head h // group (the decay is equal within a group).
+(Sc Q^T)^T = Q Sc serves U, and M[t, s] = g^(t-s) q_t^T S_s q_s = g^(t-s) q_t . (U^T)_s is one
+product of Q and U (the same as (diag(gt) Q Sc Q^T + WG W^T) * L, which took two, one of them
+n^3). Eleven d^3-sized products a chunk, all but two (Q Fc, M Y) before the scan of F. With
+grouped heads (group > 1) query head h reads the key/value-head buffers (S, P, m, their
+records, gl) at head h // group (the decay is equal within a group).
 """
 from __future__ import annotations
 
@@ -134,7 +136,6 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         Y = T.match_buffer(Y_h, (B, H, NC, n, dv), acc)
         y = T.match_buffer(y_h, (B, H, NC, n), acc)
         Qc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
-        QT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         KT = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
         Vc = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
@@ -142,8 +143,6 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         gl = T.sblock_alloc_buffer((B, H, NC), acc)
         pw = T.sblock_alloc_buffer((B, H, NC, n + 1), acc)
         W0 = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        W = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        WT = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         WG = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         QP = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         WGV = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
@@ -152,11 +151,10 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
         UT = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         tY = T.sblock_alloc_buffer((B, H, NC, n, dv), acc)
         ty = T.sblock_alloc_buffer((B, H, NC, n), acc)
-        QSQ = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
-        WGW = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
+        UTt = T.sblock_alloc_buffer((B, H, NC, dk, n), acc)
+        QU = T.sblock_alloc_buffer((B, H, NC, n, n), acc)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Qc, q, b, hh, c, n, dk, L, "Qc")
-            _transpose(QT, Qc, b, hh, c, n, dk, "QT")
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc", group)
             _transpose(KT, Kc, b, hh, c, n, dk, "KT")
             _stage(Vc, v, b, hh, c, n, dv, L, "Vc", group)
@@ -164,12 +162,10 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
             _powers(pw, g, b, hh, c, n + 1)
             _matmul(W0, Qc, KT, b, hh, c, n, n, dk, False, "W0")
             for t, s in T.grid(n, n):
-                with T.sblock("W"):
+                with T.sblock("WG"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
-                    W[vb, vh, vc, vt, vs] = T.Select(vs <= vt, W0[vb, vh, vc, vt, vs], _c(0))
                     WG[vb, vh, vc, vt, vs] = T.Select(
                         vs <= vt, W0[vb, vh, vc, vt, vs] * pw[vb, vh, vc, T.max(vt - vs, 0)], _c(0))
-            _transpose(WT, W, b, hh, c, n, n, "WT")
             _matmul(QP, Qc, Pc, b, hh, c, n, dv, dk, False, "QP", bgroup=group)
             _matmul(WGV, WG, Vc, b, hh, c, n, dv, n, False, "WGV", True)
             for t, x in T.grid(n, dv):
@@ -204,14 +200,14 @@ def chunk_cross(dk: int, dv: int, n: int, *, dtype="float32", group=1):
                         * QS[vb, vh, vc, vs, vi] + WGK[vb, vh, vc, vs, vi]
             _matmul(ddF, UT, tY, b, hh, c, dk, dv, n, True, "ddF")
             _matvec(ddeta, UT, ty, b, hh, c, dk, n, True, "ddeta")
-            _matmul(QSQ, QS, QT, b, hh, c, n, n, dk, False, "QSQ")
-            _matmul(WGW, WG, WT, b, hh, c, n, n, n, False, "WGW", True)
+            _transpose(UTt, UT, b, hh, c, n, dk, "UTt")
+            _matmul(QU, Qc, UTt, b, hh, c, n, n, dk, False, "QU")
             for t, s in T.grid(n, n):
                 with T.sblock("M"):
                     vb, vh, vc, vt, vs = T.axis.remap("SSSSS", [b, hh, c, t, s])
                     M[vb, vh, vc, vt, vs] = T.Select(
-                        vs <= vt, pw[vb, vh, vc, vt + 1] * QSQ[vb, vh, vc, vt, vs]
-                        + WGW[vb, vh, vc, vt, vs], _c(0))
+                        vs <= vt, pw[vb, vh, vc, T.max(vt - vs, 0)] * QU[vb, vh, vc, vt, vs],
+                        _c(0))
 
     return hla3_chunk_cross
 
