@@ -248,8 +248,9 @@ def ahla_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=Non
     """(o [B, H, T, Dv], state) of AHLA from `state` (zeros when None); the same result as
     `reference.ahla.chunked`. Per chunk, with (P, m, E, n) carried in (decayed prefix sums:
     `_carry`), A = L * (Q K^T), Gamma[t, s] = g^(t-s) [s <= t], tail_s = g^(len-s):
-        o = diag(g^t) (Q E + A (Q P)) + ((A A) * Gamma) V,
-        den = g^t (Q n + A (Q m)) + ((A A) * Gamma) 1
+        o = diag(g^t) (Q E + A (Q P)) + ((A A) * Gamma) V = D Q E + At (D Q P + At V),
+        den = g^t (Q n + A (Q m)) + ((A A) * Gamma) 1 = D Q n + At (D Q m + At 1)
+        (D = diag(g^t), At = A * Gamma = D A D^-1: four products, not five)
         dP = K^T (tail V),  dm = K^T tail,  dE = K^T (g^len Q P + A (tail V)),
         dn = K^T (g^len Q m + A tail)."""
     from ..reference.ahla import zero_state as ahla_zero
@@ -266,9 +267,9 @@ def ahla_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=Non
     QP, Qm = Q @ P, _mv(Q, m)
     E, E_last = w.carry(st["E"], Kt @ (w.chunk(QP) + A @ tV))
     nn, n_last = w.carry(st["n"], _mv(Kt, w.chunk(Qm) + w.tail_sum(A)))
-    M = w.lower(A @ A)
-    num = w.rows(Q @ E + A @ QP) + M @ V
-    den = w.rows(_mv(Q, nn) + _mv(A, Qm)) + M.sum(-1) if normalize else None
+    At = w.lower(A)
+    num = w.rows(Q @ E) + At @ (w.rows(QP) + At @ V)
+    den = w.rows(_mv(Q, nn)) + _mv(At, w.rows(Qm) + At.sum(-1)) if normalize else None
     return _finish(num, den, normalize, eps, T), {"P": P_last, "m": m_last, "E": E_last,
                                                    "n": n_last}
 
@@ -277,19 +278,19 @@ def hla3_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=Non
     """(o [B, H, T, Dv], state) of third-order HLA from `state` (zeros when None); the same
     result as `reference.hla3.chunked`. Per chunk, with (S, P, m, F, eta) carried in (decayed
     prefix sums: `_carry`), W = L * (Q K^T), WG = W * Gamma, tail_s = g^(len-s):
-        Y = diag(g^t) Q P + WG V,  y = g^t Q m + WG 1,  M = (diag(g^t) Q S Q^T + WG W^T) * L
-        o = diag(g^t) Q F + M Y,  den = g^t Q eta + M y
+        Y = diag(g^t) Q P + WG V,  y = g^t Q m + WG 1,
         dS = K^T (tail K),  dP = K^T (tail V),  dm = K^T tail,
-        dF = U (tail Y),  deta = U (tail y),  U = (diag(g^t) Q S)^T + K^T WG^T (S symmetric)."""
+        dF = U (tail Y),  deta = U (tail y),  U = (diag(g^t) Q S)^T + K^T WG^T (S symmetric),
+        M = (Q U) * Gamma  (= (diag(g^t) Q S Q^T + WG W^T) * L: column s of U is S_s q_s),
+        o = diag(g^t) Q F + M Y,  den = g^t Q eta + M y."""
     from ..reference.hla3 import zero_state as hla3_zero
 
     B, H, T, dk = q.shape
     Q, K, V, L = _chunks(q, k, v, chunk_size)
     w = _Weights(_gamma(decay, q), Q.shape[-2], T, L)
     st = state if state is not None else hla3_zero(B, H, dk, v.shape[-1], q.dtype, q.device)
-    Kt, Qt = K.transpose(-1, -2), Q.transpose(-1, -2)
-    W = (Q @ Kt).masked_fill(~L, 0)
-    WG = w.lower(W)
+    Kt = K.transpose(-1, -2)
+    WG = w.lower((Q @ Kt).masked_fill(~L, 0))
     S, S_last = w.carry(st["S"], Kt @ w.tails(K))
     P, P_last = w.carry(st["P"], Kt @ w.tails(V))
     m, m_last = w.carry(st["m"], w.tail_sum(Kt))
@@ -298,7 +299,7 @@ def hla3_chunked(q, k, v, *, chunk_size=64, normalize=False, eps=1e-6, decay=Non
     U = w.rows(QS).transpose(-1, -2) + Kt @ WG.transpose(-1, -2)
     Fs, F_last = w.carry(st["F"], U @ w.tails(Y))
     eta, eta_last = w.carry(st["eta"], _mv(U, w.tails(y)))
-    M = (w.rows(QS @ Qt) + WG @ W.transpose(-1, -2)).masked_fill(~L, 0)
+    M = w.lower(Q @ U)
     num = w.rows(Q @ Fs) + M @ Y
     den = w.rows(_mv(Q, eta)) + _mv(M, y) if normalize else None
     return _finish(num, den, normalize, eps, T), {"S": S_last, "P": P_last, "m": m_last,
