@@ -27,6 +27,8 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         key/value head h // (H / Hkv)); PyTorch SDPA layout.
     state: the dict a previous call returned with return_state=True; the sequence continues from
         it (the caller's tensors are not modified). Entries built from k, v alone have Hkv heads.
+        S (a sum of k k^T) is symmetric in every state returned, and the chunk forms rely on
+        it: a state made by hand must keep it so.
     attention_mask: [B, T], 1 = token, 0 = padding: padded tokens leave the state untouched and
         output zeros.
     backend: "tvm" runs the compiled TensorIR kernels (T == 1 uses the decode kernel, longer inputs
@@ -156,9 +158,9 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
         # inf/NaN in a padded position has no effect
         qw, kw, vw = (_zero_padding(x, mask) for x in (qw, kw, vw))
         mask = None
-    # (under torch.compile, which traces the custom op's backward through here, a branch on
-    # the values cannot be traced: the chunk form runs, exact for finite inputs)
-    if mask is not None or (not torch.compiler.is_compiling() and not all(
+    # (where the custom op's backward is traced, which cannot branch on values, the chunk form
+    # runs: its gradients for non-finite inputs are not finite either)
+    if mask is not None or (not validate.values_checked() and not all(
             bool(torch.isfinite(x).all()) for x in (qw, kw, vw))):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)

@@ -315,8 +315,8 @@ def _table(report, out):
     if busy:
         out("note: " + ", ".join(f"{n} {k} of {r['runs']}" for n, k, r in
                                  ((n, k, res[n]) for n, k in busy.items())) +
-            " timed runs started with this process still busy after waiting 1 s (threads "
-            "still working, or another program on the cores): those times may be high")
+            " timed runs started with this process's threads still working after waiting 1 s: "
+            "those times may be high")
     out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +
         ("; peak mem: growth of the resident set over one call)" if peak else ")"))
 

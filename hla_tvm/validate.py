@@ -1,6 +1,8 @@
 """Argument checks shared by every entry point: clear ValueError/TypeError before any kernel runs."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 
 import torch
@@ -52,6 +54,27 @@ def qkv(q, k, v):
         raise ValueError(f"v must have shape [B, Hkv, T, Dv] = [{B}, {Hkv}, {T}, Dv] to match k "
                          f"{tuple(k.shape)}, got {tuple(v.shape)}")
     return B, H, Hkv, T, dk, v.shape[-1]
+
+
+_RECOMPUTING = contextvars.ContextVar("hla_tvm_recomputing", default=False)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Within: the custom op's backward recomputes a forward whose arguments were checked
+    (`values_checked`)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+def values_checked():
+    """Whether checks of argument values (not shapes) are to be skipped: only while torch.compile
+    traces the custom op's backward (`recomputing`), which cannot branch on values and whose
+    forward checked them. A compiled caller of `hla` itself keeps every check."""
+    return _RECOMPUTING.get() and torch.compiler.is_compiling()
 
 
 def has_values(name, x):
@@ -147,9 +170,7 @@ def decay(value, heads):
                              f"got {tuple(value.shape)}")
         if not value.dtype.is_floating_point:
             raise TypeError(f"decay must be a floating tensor, got {value.dtype}")
-        # (not under torch.compile, which traces the custom op's backward through here and
-        # cannot branch on values; the forward checked them)
-        if not torch.compiler.is_compiling() and not bool(((value > 0) & (value <= 1)).all()):
+        if not values_checked() and not bool(((value > 0) & (value <= 1)).all()):
             raise ValueError("decay values must lie in (0, 1]")
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -211,7 +232,7 @@ def operator_options(order, asymmetric, masked, normalize, eps, ridge, decay_arg
                          f"only, not for {op.name}")
     gamma = decay(decay_arg, H)
     group = H // Hkv
-    if group > 1 and isinstance(gamma, torch.Tensor) and \
+    if group > 1 and isinstance(gamma, torch.Tensor) and not values_checked() and \
             not bool((gamma.view(Hkv, group) == gamma.view(Hkv, group)[:, :1]).all()):
         raise ValueError("with grouped key/value heads the decay must be equal within each "
                          "group of query heads that share a key/value head (their key moment "

@@ -47,7 +47,7 @@ def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
     monkeypatch.setattr(bench, "settle", lambda: False)
     assert main(["bench", "decode", "--heads", "2", "--dk", "8", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
-    assert "note: tvm 2 of 2, " in out and "still busy after waiting 1 s" in out
+    assert "note: tvm 2 of 2, " in out and "threads still working after waiting 1 s" in out
 
 
 def test_cache_lists_folder(capsys):

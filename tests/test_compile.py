@@ -340,11 +340,13 @@ def _run_relax(mod, *args):
     return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
 
 
-@pytest.mark.parametrize("case", ["unit", "moves_t", "symbolic", "const_first", "vector"])
+@pytest.mark.parametrize("case", ["unit", "moves_t", "symbolic", "const_first", "bound_const",
+                                  "multiply", "vector"])
 def test_scale_epilogue_keeps_values(case):
-    """Each rewrite gives the values of numpy's float64 product, and leaves alone what it cannot take: a
-    transpose moving a non-unit (or symbolic) axis stays a transpose, a constant that is not
-    0-d stays after the reshape, c / reshape(z) keeps its operand order."""
+    """Each rewrite gives the values of numpy's float64 product, and leaves alone what it cannot
+    take: a transpose moving a non-unit (or symbolic) axis stays a transpose, a constant that
+    is not 0-d stays after the reshape; c / reshape(z) keeps its operand order, also with c
+    bound to a variable of its own."""
     import tvm
     from tvm import relax
 
@@ -360,17 +362,19 @@ def test_scale_epilogue_keeps_values(case):
             m = bb.emit(relax.op.matmul(x, relax.const(w)))
             r = bb.emit(relax.op.reshape(m, [2, t, 2, 3]))
             p = bb.emit(relax.op.permute_dims(r, [0, 2, 1, 3]))
-            y = bb.emit_output(relax.op.divide(c, p) if case == "const_first"
-                               else relax.op.divide(p, c))
+            if case == "bound_const":
+                c = bb.emit(c)
+            first = case in ("const_first", "bound_const")
+            op = relax.op.multiply if case == "multiply" else relax.op.divide
+            y = bb.emit_output(op(c, p) if first else op(p, c))
         bb.emit_func_output(y)
-    mod = bb.get()
-    out = scale_epilogue(mod)
+    out = scale_epilogue(bb.get())
     text = out["main"].script()
-    moved = case in ("unit", "const_first")
     assert ("R.permute_dims(" in text) == (case in ("moves_t", "symbolic"))
-    assert ("R.divide(lv, " in text or "R.divide(R.const(4.0" in text and "lv)" in text) == moved
+    last = [line for line in text.splitlines() if line.strip().startswith("gv")][0]
+    assert ("R.reshape(" in last) == (case in ("unit", "const_first", "bound_const", "multiply"))
     xs = np.random.default_rng(1).standard_normal((2, 3 if case in ("moves_t", "symbolic")
                                                    else 1, 6)).astype("float32")
     p = (xs.astype(np.float64) @ w).reshape(2, -1, 2, 3).transpose(0, 2, 1, 3)
-    want = 4.0 / p if case == "const_first" else p / 4.0
+    want = p * 4.0 if case == "multiply" else 4.0 / p if first else p / 4.0
     np.testing.assert_allclose(_run_relax(out, xs), want, rtol=1e-5, atol=1e-6)

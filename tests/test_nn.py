@@ -59,18 +59,24 @@ def test_custom_op_differentiates_in_decay(order, asym, ref):
     assert rel_err(decay.grad, want.grad) < 1e-10
 
 
-def test_a_training_step_compiles_whole():
-    """torch.compile(fullgraph=True) of a training step through an HLA layer: its backward
-    (the reference recomputed) traces without a branch on the values, and the gradients are
-    eager's."""
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_a_training_step_compiles_whole(kv_heads):
+    """torch.compile(fullgraph=True) of a training step through an HLA layer (grouped heads
+    too): its backward (the reference recomputed) traces without a branch on the values, and
+    the gradients are eager's. A compiled caller of hla() itself keeps the value checks."""
+    from hla_tvm import hla
+
     torch.manual_seed(0)
-    layer = HLAttention(16, 2, decay=0.9)
+    layer = HLAttention(16, 2, n_kv_heads=kv_heads, decay=0.9)
     x = torch.randn(2, 20, 16)
     eager = torch.autograd.grad(layer(x)[0].square().sum(), list(layer.parameters()))
     step = torch.compile(lambda x: layer(x)[0].square().sum(), fullgraph=True)
     got = torch.autograd.grad(step(x), list(layer.parameters()))
     for a, b in zip(got, eager):
         assert rel_err(a, b) < 1e-5
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"decay values must lie in \(0, 1\]"):
+        torch.compile(lambda q: hla(q, q, q, decay=torch.tensor([1.5, 0.5]), backend="torch"))(q)
 
 
 def test_opcheck():

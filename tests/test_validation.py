@@ -255,8 +255,9 @@ def test_model_decay_takes_what_the_layer_takes():
     for d in (torch.tensor(0.5), np.float32(0.5), 0.5):
         assert HLALM(10, 16, 1, 2, decay=d).config["decay"] == 0.5
     assert HLALM(10, 16, 1, 2, decay=torch.tensor([0.5, 0.25])).config["decay"] == [0.5, 0.25]
-    for make in (lambda: HLALM(10, 16, 1, 2, decay=True), lambda: HLAttention(16, 2, decay=True)):
-        with pytest.raises(TypeError, match="got a bool"):
-            make()
+    for flag in (True, np.True_, torch.tensor(True), [True, True]):
+        for make in (HLALM, HLAttention):
+            with pytest.raises(TypeError, match="got a bool"):
+                make(10, 16, 1, 2, decay=flag) if make is HLALM else make(16, 2, decay=flag)
     with pytest.raises(ValueError, match="tokens must hold T >= 1"):
         HLALM(10, 16, 1, 2)(torch.zeros(1, 0, dtype=torch.long))

@@ -55,21 +55,26 @@ def scale_epilogue(mod):
 
     z, c = wildcard(), is_const()
     reshaped = is_op("relax.reshape")(z, wildcard())
-    scaled = None
-    for op in _SCALES:
-        either = is_op(op)(reshaped, c) | is_op(op)(c, reshaped)
-        scaled = either if scaled is None else scaled | either
 
-    def scale_first(expr, found):
-        const = found[c]
-        if const.value.numpy().ndim != 0 or getattr(expr.ty, "shape", None) is None:
-            return expr
-        args = [const if a.same_as(const) else found[z] for a in expr.args]
-        return relax.op.reshape(relax.Call(expr.op, args), expr.ty.shape)
+    def scale_first(const_first):
+        def rewrite(expr, found):
+            # (matched through bindings: the call's arguments may be variables, so the operand
+            # order comes from the pattern, not from looking for the constant among them)
+            const = found[c]
+            if const.value.numpy().ndim != 0 or getattr(expr.ty, "shape", None) is None:
+                return expr
+            args = [const, found[z]] if const_first else [found[z], const]
+            return relax.op.reshape(relax.Call(expr.op, args), expr.ty.shape)
+        return rewrite
+
+    scalings = [(is_op(op)(c, reshaped) if first else is_op(op)(reshaped, c), scale_first(first))
+                for op in _SCALES for first in (False, True)]
 
     out = mod.clone()
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             func = rewrite_call(transpose, as_reshape, func)   # (each to a fixed point)
-            out.update_func(gv, rewrite_call(scaled, scale_first, func))
+            for pattern, rewrite in scalings:
+                func = rewrite_call(pattern, rewrite, func)
+            out.update_func(gv, func)
     return out

@@ -40,7 +40,7 @@ def _decay_config(decay):
     values)."""
     if decay is None:
         return None
-    if isinstance(decay, bool):
+    if isinstance(decay, bool) or torch.as_tensor(decay).dtype == torch.bool:
         raise TypeError("decay must be a number in (0, 1] or one per key/value head, got a bool")
     values = torch.as_tensor(decay, dtype=torch.float64)
     return float(values) if values.dim() == 0 else [float(x) for x in values.flatten()]

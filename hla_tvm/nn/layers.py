@@ -67,7 +67,7 @@ class HLAttention(nn.Module):
         if decay is None:
             self.register_buffer("decay", None)
         else:
-            if isinstance(decay, bool):
+            if isinstance(decay, bool) or torch.as_tensor(decay).dtype == torch.bool:
                 raise TypeError("decay must be a number in (0, 1] or one per key/value head, "
                                 "got a bool")
             g = torch.as_tensor(decay, dtype=torch.float32).flatten()

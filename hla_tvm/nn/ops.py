@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import operators
+from .. import operators, validate
 from ..operators import state_dtype
 from ..api import hla as _hla
 
@@ -72,7 +72,7 @@ def _backward(ctx, grads_out):
     if decay is not None and ctx.needs_input_grad[4]:
         decay = decay.detach().requires_grad_()
         wrt.append(decay)
-    with torch.enable_grad():
+    with torch.enable_grad(), validate.recomputing():
         out, st = _run(q, k, v, state, decay, *ctx.opts)
         pairs = [(out, grad_out)] + [(s, g) for s, g in zip(st, grad_state) if g is not None]
         grads = torch.autograd.grad([p for p, _ in pairs], wrt, [g for _, g in pairs],
