@@ -5,12 +5,12 @@ How attention layers arrive from torch.export, q = (x @ Wq).view(B, T, H, d).tra
 matrix product only when it reads the product directly, and here a reshape and a transpose
 stand between them. Two exact rewrites remove what stands between:
 
-- `unit_transposes`: a transpose that moves only axes of size 1 (at decode T = 1, so
-  [B, 1, H, d] -> [B, H, 1, d]) keeps every element's place in memory: it is a reshape, which
-  the VM runs as a view.
-- `scale_before_reshape`: y = reshape(z) * c (or / c, c * y, c / y) with c a 0-d constant is
-  reshape(z * c), the same values in the same order; moved down a chain of reshapes, the scale
-  meets the product and fusion makes it the product's epilogue.
+- A transpose that moves only axes of size 1 (at decode T = 1, so [B, 1, H, d] ->
+  [B, H, 1, d]) keeps every element's place in memory: it is a reshape, which the VM runs as a
+  view.
+- y = reshape(z) * c (or / c, c * y, c / y) with c a 0-d constant is reshape(z * c), the same
+  values in the same order; moved down a chain of reshapes, the scale meets the product and
+  fusion makes it the product's epilogue.
 
 The shipped demo model's decode runs 49 kernels a token after these, 57 before (its q and k
 scales). Prefill's transposes move T and stay transposes."""
