@@ -313,8 +313,7 @@ def _table(report, out):
         out(line)
     busy = {name: r["busy_runs"] for name, r in res.items() if r.get("busy_runs")}
     if busy:
-        out("note: " + ", ".join(f"{n} {k} of {r['runs']}" for n, k, r in
-                                 ((n, k, res[n]) for n, k in busy.items())) +
+        out("note: " + ", ".join(f"{n} {k} of {res[n]['runs']}" for n, k in busy.items()) +
             " timed runs started with this process's threads still working after waiting 1 s: "
             "those times may be high")
     out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +

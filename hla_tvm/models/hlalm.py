@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..nn import HLAttention, RMSNorm, SwiGLU
+from ..nn.layers import decay_values
 
 CHECKPOINT_FORMAT = "hla_tvm.HLALM/1"
 # what token ids mean: None (the caller's own vocabulary) or "bytes" (id = byte value, 256 ids)
@@ -40,9 +41,7 @@ def _decay_config(decay):
     values)."""
     if decay is None:
         return None
-    if isinstance(decay, bool) or torch.as_tensor(decay).dtype == torch.bool:
-        raise TypeError("decay must be a number in (0, 1] or one per key/value head, got a bool")
-    values = torch.as_tensor(decay, dtype=torch.float64)
+    values = decay_values(decay, torch.float64)
     return float(values) if values.dim() == 0 else [float(x) for x in values.flatten()]
 
 

@@ -11,6 +11,14 @@ from .. import operators
 from .ops import hla_op, state_names
 
 
+def decay_values(decay, dtype):
+    """`decay` (a number, a sequence, a numpy value or a tensor) as a tensor of `dtype`, its
+    shape kept; TypeError for booleans (of any of those kinds)."""
+    if isinstance(decay, bool) or torch.as_tensor(decay).dtype == torch.bool:
+        raise TypeError("decay must be a number in (0, 1] or one per key/value head, got a bool")
+    return torch.as_tensor(decay, dtype=dtype)
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
 
@@ -67,10 +75,7 @@ class HLAttention(nn.Module):
         if decay is None:
             self.register_buffer("decay", None)
         else:
-            if isinstance(decay, bool) or torch.as_tensor(decay).dtype == torch.bool:
-                raise TypeError("decay must be a number in (0, 1] or one per key/value head, "
-                                "got a bool")
-            g = torch.as_tensor(decay, dtype=torch.float32).flatten()
+            g = decay_values(decay, torch.float32).flatten()
             g = g.expand(hkv) if g.numel() == 1 else g
             if g.numel() != hkv or not bool(((g > 0) & (g <= 1)).all()):
                 raise ValueError(f"decay must be one value in (0, 1] or {hkv} of them (one per "
