@@ -175,3 +175,48 @@ def test_compiled_model_without_records_says_default(tmp_path):
                          schedules="default")
     used = load(path).meta["schedules"]
     assert used["records"] is None and used["from_records"] == [] and len(used["default"]) >= 4
+
+
+def test_progress_bar_shows_the_runners_fastest_trial_against_the_trials_asked():
+    """The bar's time per kernel is the least of the runner's run times (not their mean), named
+    as the runner's, and its total stays the trials asked."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from hla_tvm.schedule.tune import _progress_callback
+
+    class Bar:
+        n, total, postfix = 0, 2, ""
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, text):
+            self.postfix = text
+
+    bar, best, counts = Bar(), {}, {}
+    callback = _progress_callback(bar, ["k0", "k1"], best, counts)
+    results = [ms.runner.RunnerResult([3e-3, 1e-3, 2e-3], None),
+               ms.runner.RunnerResult([5e-3], None), ms.runner.RunnerResult(None, "failed")]
+    callback.apply(ms.task_scheduler.TaskScheduler.create("round-robin"), 1, [], [], results)
+    assert best == {"k1": 1e-3} and counts == {"k1": 3}
+    assert bar.n == 3 and bar.total == 2
+    assert bar.postfix == "runner's fastest: k1 1 ms"
+
+
+def test_the_local_runner_fills_arguments_as_the_final_comparison_does():
+    """meta_schedule's runner fills floating-point arguments uniform in [0.9, 1), as `_time`
+    does (its own fill, uniform in [1, 10), slowed kernels with an exp); other dtypes keep its
+    fill."""
+    import numpy as np
+    import tvm
+
+    from hla_tvm.schedule.tune import _alloc_args
+
+    info = [("TENSOR", "float32", [3, 4]), ("TENSOR", "float16", [5]),
+            ("TENSOR", "bfloat16", [2, 2]), ("TENSOR", "int32", [4])]
+    (args,) = _alloc_args(tvm.cpu(), info, 1)
+    for arg, (_, dtype, shape) in zip(args, info):
+        assert arg.dtype == dtype and list(arg.shape) == shape
+    for arg in args[:3]:
+        x = arg.numpy().astype(np.float64)
+        assert 0.9 <= x.min() and x.max() <= 1.0
