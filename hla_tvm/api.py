@@ -46,6 +46,13 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
     kernel; `hla` copies the state first (the caller's is left as it was).
     """
     if backend == "tvm":
+        if torch.compiler.is_compiling():   # (torch.export and torch.compile trace fake tensors)
+            raise TypeError(
+                "hla_tvm.hla(backend='tvm') runs compiled kernels on real tensors and cannot be "
+                "traced by torch.export or torch.compile (hla_tvm.compile exports the model): "
+                "in a model's forward use the layer hla_tvm.nn.HLAttention or the custom op "
+                "hla_tvm.nn.hla_op (torch.ops.hla_tvm.hla), which compile onto the kernels, or "
+                "backend='torch'")
         validate.no_gradients("backend='tvm'", q=q, k=k, v=v, state=state, decay=decay)
     if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
             and q.shape[0] > 0 and isinstance(return_state, bool):

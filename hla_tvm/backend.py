@@ -73,7 +73,8 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
         return records.pick(kernels, None if path is None else records.load(path), target,
                             where=f" in {path}")
 
-    return build.load_or_build(spec, make, target)
+    names = {chains.kernel_name(chain, call, dk, dv, group) for call in chain.calls}
+    return build.load_or_build(spec, make, target, names=names)
 
 
 _FITS: dict = {}

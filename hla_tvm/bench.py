@@ -260,7 +260,11 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         peaks[name] = peak_rss_growth(fn)
 
     busy = {}
-    times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None, busy)
+    from .pool import OtherLoad
+
+    with OtherLoad() as load:
+        times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None,
+                                busy)
     results = {}
     for name, ts in times.items():
         results[name] = {"median_s": statistics.median(ts), "min_s": min(ts), "runs": repeat,
@@ -274,10 +278,13 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
             flops = hla2_prefill_flops(batch, heads, seq, dk, dv, chunk_size)
             extra["tvm_gflops"] = flops / results["tvm"]["median_s"] / 1e9
     info = machine()
-    report = {"mode": mode, "shape": shape, "machine": info, "results": results, **extra}
+    report = {"mode": mode, "shape": shape, "machine": info, "results": results,
+              "other_load_cores": load.cores, **extra}
     _table(report, out)
     if json_path:
-        with open(json_path, "w") as f:
+        from .paths import replacing
+
+        with replacing(json_path, "w") as f:
             json.dump(report, f, indent=1)
         out(f"wrote {json_path}")
     return report
@@ -288,6 +295,8 @@ def _fmt(seconds):
 
 
 def _table(report, out):
+    from .pool import OtherLoad
+
     s, m, res = report["shape"], report["machine"], report["results"]
     what = s["op"] if s["decay"] is None else f"{s['op']} decay {s['decay']}"
     size = f"B={s['batch']} H={s['heads']}" + \
@@ -311,6 +320,10 @@ def _table(report, out):
             line += (f"; tvm kernels {report['tvm_gflops']:.0f} GFLOP/s "
                      f"({report['tvm_gflops'] / report['sgemm_gflops']:.0%} of sgemm)")
         out(line)
+    others = report.get("other_load_cores")
+    if others is not None and others >= OtherLoad.BUSY:
+        out(f"note: other processes kept {others:.1f} of this machine's CPUs busy while it "
+            "was timed: every case ran slower than on a quiet machine, the ratios may differ")
     busy = {name: r["busy_runs"] for name, r in res.items() if r.get("busy_runs")}
     if busy:
         out("note: " + ", ".join(f"{n} {k} of {res[n]['runs']}" for n, k in busy.items()) +

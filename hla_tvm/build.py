@@ -11,22 +11,11 @@ import os
 import threading
 import warnings
 
-from . import libfile
+from . import cache, libfile
+from .cache import root as cache_dir  # noqa: F401  (where the cache is: `cache`)
 
 _MEMORY: dict = {}
 _LOCK = threading.Lock()
-
-
-def cache_dir():
-    """$HLA_TVM_CACHE_DIR, else $XDG_CACHE_HOME/hla_tvm, else ~/.cache/hla_tvm; ValueError
-    naming the variable when $HLA_TVM_CACHE_DIR is a file."""
-    env = os.environ.get("HLA_TVM_CACHE_DIR")
-    if env:
-        if os.path.exists(env) and not os.path.isdir(env):
-            raise ValueError(f"HLA_TVM_CACHE_DIR={env} is a file, not a folder")
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hla_tvm")
 
 
 _CODE_DIGEST = []
@@ -94,12 +83,14 @@ def compile_kernels(funcs, target):
     return tvm.compile(schedule_module(irmod, target), target=target)
 
 
-def load_or_build(spec: dict, make_funcs, target):
+def load_or_build(spec: dict, make_funcs, target, names=()):
     """The compiled runtime module for `spec`: from memory, else from disk, else built.
 
     make_funcs() returns {name: PrimFunc}. The built library is sealed with the digest of its
-    spec and target (`libfile`) and written to the cache folder atomically; a cached file that
-    is truncated, corrupt, or sealed for another spec is rebuilt with a warning."""
+    spec and target (`libfile`) and written to the cache folder (`cache.folder`: private)
+    atomically; a cached file that is truncated, corrupt, or sealed for another spec is
+    refused before it is loaded, and one that lacks a function of `names` after, and rebuilt
+    with a warning."""
     fast = (tuple(sorted(spec.items())), str(target))
     mod = _MEMORY.get(fast)  # the per-call path: no hashing, no lock
     if mod is not None:
@@ -109,16 +100,27 @@ def load_or_build(spec: dict, make_funcs, target):
     with _LOCK:
         if fast in _MEMORY:
             return _MEMORY[fast]
-        path = os.path.join(cache_dir(), f"{spec['kind']}-{tag.hex()[:24]}.so")
+        try:   # (private, or ValueError: its libraries are loaded here)
+            where = cache.folder()
+        except OSError as err:   # read-only home, full disk: run from memory
+            warnings.warn(f"hla_tvm: cannot create the kernel cache {cache.root()}: {err}")
+            where = None
+        path = None if where is None else \
+            os.path.join(where, f"{spec['kind']}-{tag.hex()[:24]}.so")
         mod = None
-        if os.path.exists(path):
-            try:
+        if path is not None and os.path.exists(path):
+            try:   # (its seal and its spec digest are checked before it is loaded)
                 mod = libfile.load(path, tag, what="cached kernel module")
+                lacks = sorted(n for n in names if not mod.implements_function(n))
+                if lacks:
+                    mod = None
+                    raise ValueError(f"it has no function {', '.join(lacks)}")
             except Exception as err:  # a truncated, corrupt or foreign file: rebuild it
                 warnings.warn(f"hla_tvm: rebuilding unreadable cached kernel {path}: {err}")
         _size_thread_pool()
         if mod is None:
-            mod = _save(compile_kernels(make_funcs(), target), path, tag)
+            exe = compile_kernels(make_funcs(), target)
+            mod = exe if path is None else _save(exe, path, tag)
         _MEMORY[fast] = mod
         return mod
 
@@ -131,7 +133,7 @@ def _size_thread_pool():
     ($TVM_NUM_THREADS wins), as `hla_tvm.runtime.load` does. TVM's own default (half the
     logical CPUs) left the operator 1.7x slower on a 2-core machine."""
     if not _POOL_SIZED:
-        from .runtime import set_threads
+        from .pool import set_threads
 
         set_threads(None)
         _POOL_SIZED.append(True)
@@ -139,7 +141,6 @@ def _size_thread_pool():
 
 def _save(exe, path, tag):
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         libfile.export(exe, path, tag)
         return libfile.load(path, tag, what="cached kernel module")
     except OSError as err:  # read-only home, full disk: run from memory

@@ -29,6 +29,7 @@ import tempfile
 import textwrap
 
 from .libfile import elf_machine
+from .paths import replacing
 from .target import is_host_arch
 
 def export_sources():
@@ -57,11 +58,11 @@ def fetch_runtime(arch, progress=print):
     import zipfile
     from importlib.metadata import version
 
-    from .build import cache_dir
+    from . import cache
 
     versions = {pkg: version(dist) for pkg, dist in DISTRIBUTIONS.items()}
-    dest = os.path.join(cache_dir(), "runtime", f"{arch}-tvm{versions['tvm']}-ffi"
-                                                f"{versions['tvm_ffi']}")
+    dest = os.path.join(cache.folder("runtime"), f"{arch}-tvm{versions['tvm']}-ffi"
+                                                 f"{versions['tvm_ffi']}")
     if all(os.path.isfile(os.path.join(dest, p, RUNTIME_FILES[p][0])) for p in RUNTIME_FILES):
         return dest
     progress(f"downloading the {arch} TVM runtime (apache-tvm {versions['tvm']}, "
@@ -120,7 +121,7 @@ def runtime_packages(arch, runtime_from=None, progress=print):
 def bundle(module, out, *, runtime_from=None, force=False, progress=print):
     """Write the bundle of the compiled module `module` to the folder `out` (see the module
     docstring). Refuses a non-empty `out` unless force. Returns the bundle's description."""
-    from .runtime import load, read_meta
+    from .runtime import read_meta
 
     module, out = os.fspath(module), os.path.abspath(os.fspath(out))
     meta = read_meta(module)   # checked: sealed by hla-tvm compile, not truncated or altered
@@ -130,9 +131,7 @@ def bundle(module, out, *, runtime_from=None, force=False, progress=print):
         raise ValueError(f"-o {out} holds the module itself; bundle into another folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"{out} exists and is not empty (--force replaces it)")
-    if meta is None and is_host_arch(arch):   # (compiled before libraries held it) loadable
-        meta = load(module).meta
-    device_code = _device_code(module) if (meta or {}).get("device") == "cuda" else None
+    device_code = _device_code(module) if meta.get("device") == "cuda" else None
     tvm_root, ffi_root = runtime_packages(arch, runtime_from, progress)
     if device_code is not None and not os.path.isfile(os.path.join(tvm_root, "lib", CUDA_LIB)):
         raise ValueError(f"{module} was compiled for an NVIDIA GPU, and the TVM runtime in "
@@ -206,9 +205,9 @@ def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
             "cudart": cudart is not None,
             "vocab": ((meta or {}).get("config") or {}).get("vocab"),
             "config": (meta or {}).get("config"), "tvm_ffi": version("apache-tvm-ffi")}
-    with open(os.path.join(out, "bundle.json"), "w") as f:
+    with replacing(os.path.join(out, "bundle.json"), "w") as f:
         json.dump(info, f, indent=1)
-    with open(os.path.join(out, "README.md"), "w") as f:
+    with replacing(os.path.join(out, "README.md"), "w") as f:
         f.write(_readme(info))
     return info
 

@@ -180,6 +180,7 @@ def _compile(args):
     from . import validate
 
     validate.output_path("-o", args.output)   # and a bad output path
+    validate.not_an_input("-o", args.output, args.checkpoint)
     if args.checkpoint.endswith(".onnx"):
         from .onnx import compile as compile_onnx
 
@@ -215,6 +216,7 @@ def _export_onnx(args):
     from .onnx import export
 
     validate.output_path("-o", args.output)
+    validate.not_an_input("-o", args.output, args.checkpoint)
     model = HLALM.load(args.checkpoint)
     entry = "decode step" if args.decode else "prefill from a given state" if args.from_state \
         else "prefill"
@@ -259,7 +261,7 @@ def _run(args):
     from .runtime import load, read_meta
 
     if args.info:   # read from the library without loading it where it holds the metadata
-        meta = read_meta(args.module) or load(args.module, args.device, threads=args.threads).meta
+        meta = read_meta(args.module)
         print(_module_info(args.module, meta))
         return 0
     given = [o for o, x in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
@@ -297,10 +299,9 @@ def _run(args):
         on_token = lambda tok: (sys.stdout.write(decode([tok])), sys.stdout.flush())  # noqa: E731
     else:
         on_token = None
-    text = args.prompt is not None   # (greedy decoding of a small byte-level model soon
-    # repeats one byte: text samples as the demo does unless told otherwise)
-    temperature = args.temperature if args.temperature is not None else 0.9 if text else 0.0
-    top_k = args.top_k if args.top_k is not None else 40 if text and temperature > 0 else 0
+    from .generate import sampling
+
+    temperature, top_k = sampling(args.prompt is not None, args.temperature, args.top_k)
     tokens, info = generate(m, prompt, args.tokens, temperature=temperature,
                             top_k=top_k, seed=args.seed, on_token=on_token)
     print(decode([], final=True)) if args.prompt is not None else \
@@ -363,30 +364,54 @@ def _module_info(path, meta):
     return "\n".join(lines)
 
 
+# how `hla-tvm cache` names each kind of entry (`cache.entries`)
+_CACHE_KINDS = {"kernels": "compiled kernel modules", "models": "the demo's compiled models",
+                "device": "CUDA device code", "emulator": "emulated CUDA kernels",
+                "runtime": "TVM runtimes of other architectures",
+                "records": "tuned records (hla-tvm tune)"}
+
+
 def _cache(args):
-    import shutil
+    from . import cache
 
-    from .build import cache_dir
-
-    path = cache_dir()
-    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
-
-    def size(p):   # a file's bytes, or a folder's in all
-        if not os.path.isdir(p):
-            return os.path.getsize(p)
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
-
+    path = cache.root()
+    if args.records and not args.clear:
+        raise ValueError("--records goes with --clear (the listing shows the records)")
     if args.clear:
-        shutil.rmtree(path, ignore_errors=True)
-        print(f"removed {len(entries)} cached entr{'y' if len(entries) == 1 else 'ies'} "
-              f"(kernel modules, the demo's compiled models, downloaded runtimes) from {path}")
-    elif not entries:
+        removed = cache.clear(records=args.records)
+        kinds = {}
+        for p, kind in removed:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        what = ", ".join(f"{n} {_CACHE_KINDS[k]}" for k, n in kinds.items()) or "nothing"
+        print(f"removed from {path}: {what}")
+        kept = [p for p, _ in cache.entries(records=True) if _ == "records"]
+        if kept:
+            print(f"kept the tuned records in {os.path.join(path, cache.RECORDS)} "
+                  f"({', '.join(os.path.basename(p) for p in kept)}): --clear --records "
+                  "removes them too")
+        left = cache.others(records=True)
+        if left:
+            print(f"left {len(left)} file(s) that are not the cache's alone, e.g. {left[0]}")
+        return 0
+    found = cache.entries(records=True)
+    if not found:
         print(f"{path}: empty (kernels are compiled and cached on first use)")
-    else:
-        print(path)
-        for e in entries:
-            full = os.path.join(path, e)
-            print(f"  {e}{'/' if os.path.isdir(full) else ''}  {size(full) / 1e3:.0f} kB")
+        return 0
+    print(path)
+    for kind, label in _CACHE_KINDS.items():
+        mine = [p for p, k in found if k == kind]
+        if mine:
+            print(f"  {label}: {len(mine)}, {sum(cache.size(p) for p in mine) / 1e6:.1f} MB")
+            for p in mine[:20]:
+                print(f"    {os.path.relpath(p, path)}{'/' if os.path.isdir(p) else ''}  "
+                      f"{cache.size(p) / 1e3:.0f} kB")
+            if len(mine) > 20:
+                print(f"    ... {len(mine) - 20} more")
+    left = cache.others(records=True)
+    if left:
+        print(f"  not the cache's ({len(left)}; --clear leaves them): "
+              + ", ".join(os.path.relpath(p, path) for p in left[:5])
+              + (" ..." if len(left) > 5 else ""))
     return 0
 
 
@@ -423,6 +448,7 @@ def build_parser():
                               formatter_class=_Defaults, **kw)
 
     from .demo import DEFAULT_PROMPT
+    from .generate import TEXT_TEMPERATURE, TEXT_TOP_K
 
     d = command("demo", help="compile the shipped byte-level HLA model for this CPU, stream the "
                              "Python it writes, compare its speed and logits with PyTorch",
@@ -435,9 +461,9 @@ def build_parser():
                             "them (exit code 1 when it exceeds 1e-3 of the largest logit).")
     d.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
     d.add_argument("--tokens", type=_positive, default=200, help="bytes to generate")
-    d.add_argument("--temperature", type=float, default=0.9,
+    d.add_argument("--temperature", type=float, default=TEXT_TEMPERATURE,
                    help="sampling temperature (0: greedy)")
-    d.add_argument("--top-k", type=int, default=40,
+    d.add_argument("--top-k", type=int, default=TEXT_TOP_K,
                    help="sample from the k most likely bytes (0: all)")
     d.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     d.add_argument("--target", default="llvm",
@@ -485,8 +511,12 @@ def build_parser():
                              "files of this interpreter's standard library, 5 percent of the "
                              "files held out for validation, with the differentiable PyTorch "
                              "path; writes the checkpoint and its training curve (CHECKPOINT "
-                             "without .pt + .json and .png). Same seed, same machine and "
-                             "thread count: the same weights. --attention softmax trains the "
+                             "without .pt + .json and .png). The same --seed gives the same "
+                             "starting weights and the same batches, so the same run up to "
+                             "floating-point rounding: PyTorch's CPU kernels do not promise "
+                             "bitwise equal results between runs (their threads and vector code "
+                             "may sum in another order), and a --seconds budget stops at "
+                             "another step. --attention softmax trains the "
                              "same model with causal softmax attention instead (the baseline; "
                              "curve only). About 10 minutes on 2 cores with the defaults.")
     tr.add_argument("-o", "--output", default="hlalm.pt", help="checkpoint to write")
@@ -584,8 +614,9 @@ def build_parser():
                         "--prompt TEXT, else 0)")
     r.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     r.add_argument("--threads", type=_positive, default=None,
-                   help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else one per "
-                        "physical core)")
+                   help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else for each "
+                        "kind of call the count that runs it fastest at the time, up to one per "
+                        "physical core, chosen by timing the calls)")
     r.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
                    help="where the module runs: cpu, or the GPU for a module compiled with "
                         "--target cuda")
@@ -655,8 +686,17 @@ def build_parser():
     t.set_defaults(func=_tune)
 
     c = command("cache", help="show (or --clear) the cache folder: compiled kernels, the demo's "
-                              "compiled model, downloaded runtimes")
-    c.add_argument("--clear", action="store_true", help="delete everything cached")
+                              "compiled model, downloaded runtimes, and your tuned records",
+                description="List the cache folder ($HLA_TVM_CACHE_DIR, else "
+                            "~/.cache/hla_tvm) by kind, or --clear it. --clear removes only "
+                            "the files the package put there (compiled kernels and models, "
+                            "device code, downloaded runtimes), never another file in the "
+                            "folder, and keeps the tuned records of `hla-tvm tune` (minutes to "
+                            "hours of work) unless --records is given too.")
+    c.add_argument("--clear", action="store_true",
+                   help="delete the cached compiled files (not the tuned records)")
+    c.add_argument("--records", action="store_true",
+                   help="with --clear: delete the tuned records under schedules/ too")
     c.set_defaults(func=_cache)
     return p
 

@@ -110,14 +110,15 @@ def merge_entries(mods):
 
 def prepare(mod, target):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
-    scheduled: embedding lookups clamped (`safe_take`), RMSNorms as one operator each
-    (`fused_rms_norm`), projection scales next to their products (`scale_epilogue`), then
-    `legalize`d."""
+    scheduled: embedding lookups clamped (`safe_take`), one-sided integer clamps bounded
+    (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), projection scales next to
+    their products (`scale_epilogue`), then `legalize`d."""
     from .frontend.fused_rms_norm import fused_rms_norm
+    from .frontend.int_clip import int_clip
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
-    return legalize(scale_epilogue(fused_rms_norm(safe_take(mod))), target)
+    return legalize(scale_epilogue(fused_rms_norm(int_clip(safe_take(mod)))), target)
 
 
 def legalize(mod, target):
@@ -266,6 +267,19 @@ def build(mod, meta, target, out, records_path=None):
     return libfile.export(exe, out, cc=cross_compiler(target), note=json.dumps(meta).encode())
 
 
+def _logits_width(mod):
+    """The static last dimension of the logits (the first output) of `mod`'s decode entry, or
+    None."""
+    import tvm
+
+    if "decode" not in [gv.name_hint for gv in mod.get_global_vars()]:
+        return None
+    out = mod["decode"].ret_ty
+    fields = getattr(out, "fields", None)
+    shape = getattr(fields[0] if fields else out, "shape", None)
+    return int(shape[-1]) if shape and isinstance(shape[-1], tvm.tirx.IntImm) else None
+
+
 def executable(mod, meta, target, records_path=None):
     """(executable, its metadata): `tvm.compile` of the Relax module `mod` with `meta`, its
     device and the schedules used added, embedded for `target`, its HLA kernels and projections
@@ -273,9 +287,13 @@ def executable(mod, meta, target, records_path=None):
     schedules elsewhere)."""
     import tvm
 
+    from .frontend.safe_take import token_rows
     from .schedule import records
     from .schedule.model import schedule_model
 
+    if meta.get("vocab_size") is None:   # a model without a config: the runtime checks every
+        # token id against the rows of the table the ids index, else the logits' width
+        meta = {**meta, "vocab_size": token_rows(mod) or _logits_width(mod)}
     mod, used = schedule_model(prepare(mod, target), target, records_path)
     meta = {**meta, "device": "cuda" if target.kind.name == "cuda" else "cpu", "schedules": {
         "target": records.target_folder(target), "records": records.display(records_path),

@@ -87,6 +87,28 @@ class _Plan:
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc,
                                               device=q.device))[0].contiguous()
         self.cuda = q.is_cuda
+        self.apart = None   # the data pointers of the last state (and out) found apart
+
+    def check_apart(self, st, out=None):
+        """ValueError when two state tensors, or `out` and a state tensor, share memory (the
+        kernel writes them all in place: shared ones would hold garbage). Checked once per
+        set of data pointers."""
+        try:
+            ptrs = tuple(x.data_ptr() for x in st) + (() if out is None else (out.data_ptr(),))
+        except AttributeError:   # not tensors: the call's own checks explain it
+            return
+        if ptrs == self.apart or 0 in ptrs:   # (0: no data, as meta tensors: explained later)
+            return
+            return
+        names = [f"state[{n!r}]" for n in self.names] + ["out"]
+        spans = sorted((p, p + x.numel() * x.element_size(), i)
+                       for i, (p, x) in enumerate(zip(ptrs, [*st, out])) if x is not None)
+        for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+            if end > start:
+                raise ValueError(f"{names[j]} is the same memory as {names[i]} (or overlaps "
+                                 "it): the kernel writes each in place; give each entry a "
+                                 "tensor of its own (init_state makes them)")
+        self.apart = ptrs
 
     def check_state(self, state):
         """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
@@ -240,6 +262,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
         (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) else out
     if out is not None and o.data_ptr() % ALIGN:
         plan.check_out(out)
+    plan.check_apart(st, o if out is not None else None)
     try:
         # the compiled function checks every argument's shape, dtype, layout and device before
         # it writes anything; its complaint is explained below

@@ -96,13 +96,14 @@ def store(folder, source, archs):
 
 
 def _write(path, data):
-    """Write `data` and its sha256 (path + ".sha256"), each through a temporary file."""
+    """Write `data` and its sha256 (path + ".sha256"), each through a temporary file
+    (`paths.replacing`)."""
+    from .paths import replacing
+
     for target, blob in ((path + ".sha256", hashlib.sha256(data).hexdigest().encode()),
                          (path, data)):
-        tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
+        with replacing(target) as f:
             f.write(blob)
-        os.replace(tmp, target)
 
 
 def read_checked(path):

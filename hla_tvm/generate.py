@@ -13,6 +13,21 @@ import time
 
 import numpy as np
 
+# how text prompts are sampled unless told otherwise, by `hla-tvm run`, the demo and the
+# bundle's programs (greedy decoding of a small byte-level model soon repeats one byte); token
+# id prompts decode greedily
+TEXT_TEMPERATURE, TEXT_TOP_K = 0.9, 40
+
+
+def sampling(text, temperature=None, top_k=None):
+    """(temperature, top_k) with the defaults filled in: for a text prompt (`text`) sampled at
+    TEXT_TEMPERATURE from the TEXT_TOP_K most likely, for token ids greedy."""
+    if temperature is None:
+        temperature = TEXT_TEMPERATURE if text else 0.0
+    if top_k is None:
+        top_k = TEXT_TOP_K if text and temperature > 0 else 0
+    return temperature, top_k
+
 
 def encode_text(text):
     """The byte-level token ids of `text` (its UTF-8 bytes)."""

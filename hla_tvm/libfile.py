@@ -104,10 +104,10 @@ def export(exe, path, tag: bytes = NO_TAG, cc=None, note: bytes | None = None):
     (never rewritten in place, which would kill processes that have the old file mapped).
     cc: the C compiler command that links it (None: the host's; a cross compiler for another
     architecture)."""
+    from .paths import replacing_path
+
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
-    try:
+    with replacing_path(path, suffix=".so", executable=True) as tmp:
         if cc is None:
             exe.export_library(tmp)
         else:
@@ -118,11 +118,6 @@ def export(exe, path, tag: bytes = NO_TAG, cc=None, note: bytes | None = None):
             with open(tmp, "ab") as f:
                 f.write(bytes(note) + struct.pack("<Q", len(note)) + NOTE)
         seal(tmp, tag)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
@@ -186,12 +181,37 @@ def note(path, what="compiled module"):
         raise ValueError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
 
 
+def trusted_folder(path, what="compiled module"):
+    """ValueError when any user could have put the library at `path` there: the file writable
+    by everyone, or its folder writable by everyone without the sticky bit (with it, as in
+    /tmp, only a file's owner may replace it: the file must then be this user's or root's).
+    The checks of `check` cover damage, not a file written on purpose by someone who may write
+    the folder; this one refuses the folders where anyone may."""
+    import stat
+
+    real = os.path.realpath(path)
+    st, folder = os.stat(real), os.path.dirname(real)
+    dst = os.stat(folder)
+    mine = st.st_uid in (os.getuid(), 0)
+    if st.st_mode & stat.S_IWOTH:
+        why = f"the file is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+    elif dst.st_mode & stat.S_IWOTH and not (dst.st_mode & stat.S_ISVTX and mine):
+        why = (f"its folder {folder} is writable by every user (mode "
+               f"{stat.S_IMODE(dst.st_mode):o})" + (", and the file is another user's"
+                                                   if dst.st_mode & stat.S_ISVTX else ""))
+    else:
+        return path
+    raise ValueError(f"{path}: refusing to load this {what}: {why}, so anyone could have put "
+                     "it there and its code would run in this process; move it to a folder of "
+                     "your own")
+
+
 _LOADED: dict = {}
 _LOADED_LOCK = threading.Lock()
 
 
 def load(path, tag: bytes | None = None, what="compiled module"):
-    """`tvm.runtime.load_module` of the checked library at `path` (see `check`).
+    """`tvm.runtime.load_module` of the checked library at `path` (`check`, `trusted_folder`).
 
     The dynamic loader hands back the library already loaded under a path, even after the file
     was replaced: a module compiled again to the same path would silently run the old code. A
@@ -201,6 +221,7 @@ def load(path, tag: bytes | None = None, what="compiled module"):
     import tvm
 
     digest = check(path, tag, what)
+    trusted_folder(path, what)
     code, host = elf_machine_code(path), host_machine_code()
     if host is not None and code != host:
         raise ValueError(f"{path}: built for {machine_name(code)}, not for this machine's "

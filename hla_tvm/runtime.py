@@ -7,36 +7,48 @@
 
 This module imports neither torch nor TVM's compiler library: unless TVM is already imported, it
 sets TVM_USE_RUNTIME_LIB=1 and keeps tvm_ffi's optional `import torch` from loading torch.
-The state is a list of device tensors, advanced in place by the compiled kernels: the list passed
-to prefill/decode is consumed; use `copy_state` to branch a sequence, `save_state`/`load_state`
-to keep one. One loaded model may serve several threads at once (each runs its own sequences)."""
+The state is a list of numpy arrays on a CPU (views of the module's tensors: no copies), of the
+module's device tensors on a GPU, advanced in place by the compiled kernels: the list passed to
+prefill/decode is consumed; use `copy_state` to branch a sequence, `save_state`/`load_state` to
+keep one. A state of your own (numpy arrays or torch tensors of the layout `state_spec` gives)
+is checked and copied in. One loaded model may serve several threads at once (each runs its own
+sequences)."""
 from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
+import time
+import weakref
 import zipfile
 
 import numpy as np
 
 from . import libfile
+from .pool import Adaptive, env_threads, physical_cores, set_threads  # noqa: F401
+from .pool import import_tvm_runtime as _import_tvm_runtime
 
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
+STATE_MODEL = "hla_tvm.model"   # a state file's entry: the digest of the model it belongs to
 
 
 def read_meta(path):
     """The metadata of the compiled model at `path` (state layout, configuration, device,
     schedules) from the copy its library holds beside the code (`libfile.note`), read without
-    loading it: a module for a GPU or another CPU architecture is described on any machine.
-    None for a module compiled before libraries held it; ValueError for a file that is not a
-    whole sealed library or not an hla_tvm model."""
+    loading it: a module for a GPU or another CPU architecture is described on any machine,
+    and a library that is not an hla_tvm model is refused before its code can run (the
+    dynamic loader runs a library's constructors). ValueError for a file that is not a whole
+    sealed library with the note of an hla_tvm model."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no compiled module at {path}")
     raw = libfile.note(path)
-    return None if raw is None else _checked_meta(path, raw)
+    if raw is None:
+        raise ValueError(f"{path}: not an hla_tvm compiled model (it carries no metadata note: "
+                         "written by an older hla_tvm, or not by hla-tvm compile); compile it "
+                         "again")
+    return _checked_meta(path, raw)
 
 
 def _checked_meta(path, raw):
@@ -54,37 +66,13 @@ def _checked_meta(path, raw):
     return meta
 
 
-def _import_tvm_runtime():
-    """TVM, runtime-only unless it is already imported or torch is (a process that works with
-    torch goes on to compile: a runtime-only TVM there would break `hla()` and `compile`)."""
-    if "tvm" in sys.modules:
-        return sys.modules["tvm"]
-    if "torch" in sys.modules:
-        import tvm
-
-        return tvm
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("hla_tvm.runtime keeps torch out of the runtime path")
-            return None
-
-    blocker = _NoTorch()
-    sys.meta_path.insert(0, blocker)
-    try:
-        import tvm
-    finally:
-        sys.meta_path.remove(blocker)
-    return tvm
-
-
 def load(path, device="cpu", threads=None):
     """The compiled model at `path` on `device`: "cpu" for a module compiled for a CPU target,
     "cuda" or "cuda:N" for one compiled for a CUDA target (the state then lives on that GPU);
-    CPU kernels run by `threads` threads (None: $TVM_NUM_THREADS when set, else one per
-    physical core)."""
+    CPU kernels run by `threads` threads, or with None ($TVM_NUM_THREADS unset) by as many as
+    each kind of call runs fastest with at the time, up to one per physical core, chosen by
+    timing the calls (`pool.Adaptive`: on a machine shared with busy processes the calling
+    thread alone is often fastest, on a quiet one a large prefill wants every core)."""
     return CompiledModel(path, device, threads)
 
 
@@ -102,7 +90,7 @@ def _cuda_device(tvm, index):
     """TVM's CUDA device `index`, its runtime loaded (a runtime-only TVM does not load it) and
     a device-code hook registered for modules holding CUDA source (`device_code.serve`, unless
     TVM's own is there)."""
-    from .build import cache_dir
+    from . import cache
     from .device_code import load_cuda_runtime, serve
 
     if tvm.get_global_func("device_api.cuda", allow_missing=True) is None:
@@ -116,53 +104,18 @@ def _cuda_device(tvm, index):
         raise ValueError(f"device='cuda:{index}': no such GPU here")
     arch = "sm_" + dev.compute_version.replace(".", "")
     # (a runtime-only TVM registers its own hook, which needs the compiler: replaced)
-    serve(os.path.join(cache_dir(), "device"), arch,
+    serve(cache.folder("device"), arch,
           override=bool(getattr(tvm, "_RUNTIME_ONLY", False)))
     return dev
 
 
 def _check_device(path, meta, kind):
-    """ValueError unless the module at `path` with metadata `meta` (None: not known) was
-    compiled for the device kind `kind` ("cpu" or "cuda")."""
-    built_for = (meta or {}).get("device", kind if meta is None else "cpu")
+    """ValueError unless the module at `path` with metadata `meta` was compiled for the device
+    kind `kind` ("cpu" or "cuda")."""
+    built_for = meta.get("device", "cpu")
     if built_for != kind:
         what = "an NVIDIA GPU" if built_for == "cuda" else "the CPU"
         raise ValueError(f"{path} was compiled for {what}: load it with device={built_for!r}")
-
-
-def physical_cores():
-    """Physical cores this process may run on (SMT siblings count once)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
-    cores = set()
-    for c in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
-                cores.add(f.read().strip())
-        except OSError:
-            cores.add(str(c))
-    return max(1, len(cores))
-
-
-def set_threads(threads=None):
-    """Size TVM's CPU thread pool (of the calling thread): `threads` workers, or with None
-    $TVM_NUM_THREADS when set, else one per physical core. (TVM's own default on x86 is half
-    the logical CPUs, which leaves half the cores idle on machines without SMT.) TVM sizes a
-    pool once, from $TVM_NUM_THREADS, when the thread first runs a parallel kernel; later
-    calls can lower the count below that size, not raise it. Returns the count asked for."""
-    tvm = _import_tvm_runtime()
-    env = os.environ.get("TVM_NUM_THREADS", "")
-    env = int(env) if env.isdigit() else 0
-    if threads is None:
-        threads = env or physical_cores()
-    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-    elif threads > (os.cpu_count() or threads):   # (more workers than CPUs only contend)
-        raise ValueError(f"threads={threads} exceeds this machine's {os.cpu_count()} CPUs")
-    if env < threads:
-        os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
-    tvm.get_global_func("runtime.config_threadpool")(1, threads)
-    return threads
 
 
 class CompiledModel:
@@ -184,6 +137,8 @@ class CompiledModel:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
         _check_device(path, read_meta(path), kind)   # (from the library's note, before loading)
+        # a fixed count (threads=, $TVM_NUM_THREADS), else chosen per kind of call (`_chooser`)
+        self.adaptive = threads is None and not env_threads()
         self.threads = set_threads(threads)
         self._tvm = tvm
         self.device = tvm.cpu() if kind == "cpu" else _cuda_device(tvm, index)
@@ -215,6 +170,10 @@ class CompiledModel:
         self.max_batch = self.meta.get("max_batch")
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
+        # what a state file names as the model it belongs to: the weights (any target, any
+        # compile of them), else the ONNX file, else this library
+        self.model_digest = self.meta.get("weights_sha256") or self.meta.get("onnx_sha256") \
+            or libfile.check(path).hex()
 
     def _vm(self):
         """This thread's virtual machine over the shared library."""
@@ -225,8 +184,22 @@ class CompiledModel:
             if threading.current_thread() is not threading.main_thread():
                 set_threads(self.threads)
             vm = self._local.vm = tvm_vm.VirtualMachine(self._lib, self.device)
-            self._local.issued = ((), None)
+            self._local.issued = ((), None, ())
+            self._local.choosers = {}
         return vm
+
+    def _chooser(self, entry, shape):
+        """This thread's `pool.Adaptive` for calls of `entry` with tokens of `shape` (prefill
+        lengths bucketed by powers of two), or None for a fixed thread count or a GPU."""
+        if not self.adaptive or self.on_gpu:
+            return None
+        key = (entry, shape[0], 1 << (int(shape[1]) - 1).bit_length() if len(shape) > 1 else 0)
+        chooser = self._local.choosers.get(key)
+        if chooser is None:
+            configure = self._tvm.get_global_func("runtime.config_threadpool")
+            chooser = self._local.choosers[key] = Adaptive(
+                self.threads, lambda n: configure(1, n))
+        return chooser
 
     # --- state -------------------------------------------------------------------------------
     def _check_batch(self, batch, what):
@@ -241,33 +214,38 @@ class CompiledModel:
             raise ValueError(f"batch must be a positive int, got {batch!r}")
         batch = int(batch)
         self._check_batch(batch, "init_state")
-        return [self._tvm.runtime.tensor(np.zeros((batch, *shape), dtype=dtype), self.device)
-                for _, shape, dtype in self.state_spec]
+        return self._hold([self._tvm.runtime.tensor(np.zeros((batch, *shape), dtype=dtype),
+                                                    self.device)
+                           for _, shape, dtype in self.state_spec])
 
     def copy_state(self, state):
         """An independent copy of `state` (to branch a sequence)."""
-        state = self._check_state(state, _batch_of(state), "copy_state")
-        return [self._tvm.runtime.tensor(x.numpy(), self.device) for x in state]
+        state = self._check_state(state, _batch_of(state), "copy_state")[0]
+        return self._hold([self._tvm.runtime.tensor(x.numpy(), self.device) for x in state])
+
+    def _hold(self, tensors):
+        """The state as the caller holds it: the module's device tensors on a GPU, numpy views
+        of them on a CPU (`_view`: no copy; the kernels advance them in place)."""
+        return list(tensors) if self.on_gpu else [_view(t) for t in tensors]
 
     def save_state(self, state, path):
         """Write the state to the file `path` as it is named (an .npz archive: one array per
-        entry, named as in state_spec), through a temporary file beside it."""
-        from .paths import output_path
+        entry, named as in state_spec, and the digest of the model it belongs to under
+        STATE_MODEL), through a temporary file beside it (`paths.replacing`)."""
+        from .paths import output_path, replacing
 
-        state = self._check_state(state, _batch_of(state), "save_state")
+        state = self._check_state(state, _batch_of(state), "save_state")[0]
         path = output_path("path", path)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "wb") as f:   # (a file object: numpy adds no .npz to the name)
-                np.savez(f, **{n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        arrays = {n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)}
+        arrays[STATE_MODEL] = np.frombuffer(self.model_digest.encode(), dtype=np.uint8)
+        with replacing(path) as f:   # (a file object: numpy adds no .npz to the name)
+            np.savez(f, **arrays)
 
-    def load_state(self, path):
-        """A state written by save_state, checked against this model (names, shapes, dtypes,
-        finite values); ValueError naming the file and the entry otherwise."""
+    def load_state(self, path, other_model=False):
+        """A state written by save_state, checked against this model (the model digest it
+        records, names, shapes, dtypes, finite values); ValueError naming the file and the
+        entry otherwise. other_model=True accepts a state saved by another model (or one that records
+        no model) whose state layout equals this one's."""
         path = os.fspath(path)
         names = [n for n, _, _ in self.state_spec]
         try:
@@ -287,12 +265,22 @@ class CompiledModel:
                     raise ValueError(f"{path}: not a state of this model (missing entries "
                                      f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
                 arrays = [f[n] for n in names]
+                owner = f[STATE_MODEL] if STATE_MODEL in f.files else None
         except ValueError as err:
             if str(err).startswith(f"{path}: "):
                 raise
             raise ValueError(f"{path}: not a readable state file ({err})") from None
         except (OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
             raise ValueError(f"{path}: not a readable state file ({err})") from None
+        if not other_model:
+            owner = bytes(owner.astype(np.uint8)).decode("ascii", "replace") \
+                if owner is not None and owner.dtype == np.uint8 and owner.ndim == 1 else None
+            if owner != self.model_digest:
+                raise ValueError(
+                    f"{path}: a state of another model (it records "
+                    f"{'no model digest' if owner is None else 'model ' + owner[:16]}, this "
+                    f"module is model {self.model_digest[:16]}); load_state(path, "
+                    "other_model=True) takes it where the state layouts are equal")
         first = self.state_spec[0]
         batch = arrays[0].shape[0] if arrays[0].ndim == len(first[1]) + 1 else None
         if batch is None or batch < 1:
@@ -302,13 +290,18 @@ class CompiledModel:
             if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
                 raise ValueError(f"{path}: state entry {name} holds non-finite values "
                                  f"(NaN or inf); refusing it")
-        return self._check_state(arrays, batch, path)
+        return self._hold(self._check_state(arrays, batch, path)[0])
 
     def _check_state(self, state, batch, what="state"):
-        issued, issued_batch = getattr(self._local, "issued", ((), None))
+        """(the module's tensors for `state`, the entries of `state` that are views of them
+        (None for the others)), checked: ValueError naming `what` and the entry. An entry this
+        package made (`_view`, or a device tensor) is used as it is; the caller's own numpy
+        arrays or torch tensors are checked for finite values and copied in."""
+        issued, issued_batch, tensors = getattr(self._local, "issued", ((), None, ()))
         if batch == issued_batch and isinstance(state, (list, tuple)) and \
                 len(state) == len(issued) and all(a is b for a, b in zip(state, issued)):
-            return state  # exactly the tensors this thread's last call returned: already checked
+            # exactly the state this thread's last call returned: checked already
+            return list(tensors), list(state)
         if not isinstance(state, (list, tuple)) or len(state) != len(self.state_spec):
             got = f"{type(state).__name__} of {len(state)}" \
                 if isinstance(state, (list, tuple)) else type(state).__name__
@@ -316,19 +309,31 @@ class CompiledModel:
                              f"{len(self.state_spec)} tensors, got {got}; a sequence starts "
                              "from init_state(batch)")
         self._check_batch(batch, what)
-        out = []
+        out, views = [], []
         for (name, shape, dtype), x in zip(self.state_spec, state):
             got = tuple(getattr(x, "shape", ()))
             if got != (batch, *shape):
                 raise ValueError(f"{what}: state entry {name} must have shape "
                                  f"{_want(shape, batch)}, got {list(got)}")
-            if str(getattr(x, "dtype", None)) != dtype:
+            if str(getattr(x, "dtype", None)).replace("torch.", "") != dtype:
                 raise ValueError(f"{what}: state entry {name} must be {dtype}, got "
                                  f"{getattr(x, 'dtype', type(x).__name__)}")
-            if not isinstance(x, self._tvm.runtime.Tensor):
+            if any(x is y for y in state[:len(out)]):
+                raise ValueError(f"{what}: state entry {name} is the same array as another "
+                                 "entry; each entry needs its own (from init_state, "
+                                 "copy_state or load_state)")
+            view = x if not self.on_gpu and _OURS.get(id(x)) is x else None
+            if view is not None:   # a view this package made of an aligned host tensor
+                x = _tvm_ffi().from_dlpack(view)
+            elif not isinstance(x, self._tvm.runtime.Tensor):   # numpy or torch: copied in
+                x = _host_array(x)
+                if not np.isfinite(x).all():
+                    raise ValueError(f"{what}: state entry {name} holds non-finite values "
+                                     "(NaN or inf); refusing it")
                 x = self._tvm.runtime.tensor(np.ascontiguousarray(x), self.device)
             out.append(x)
-        return out
+            views.append(view)
+        return out, views
 
     # --- running -----------------------------------------------------------------------------
     def _tokens(self, tokens, ndim, what):
@@ -353,9 +358,9 @@ class CompiledModel:
         CPU a long prompt then holds no [B, T, vocab] array). On a CPU a long
         prompt runs in pieces of whole chunks (`prefill_pieces`), each continuing the state
         the piece before left: the same logits, with the module's per-chunk buffers bounded by
-        the piece, not the prompt. Continue from the returned state: the given tensors may
-        have been advanced in place or not (numpy arrays are copied; some entries of grouped
-        models come back as new tensors)."""
+        the piece, not the prompt. Continue from the returned state: the given arrays may
+        have been advanced in place or not (arrays of your own are copied; some entries of
+        grouped models come back as new arrays)."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         last = logits == "last"
@@ -392,17 +397,56 @@ class CompiledModel:
         """(logits numpy, new state) of `entry`; logits [B, T, ...] of a prefill are those of
         the last position alone, [B, ...], when `last` (copied alone from the device)."""
         vm = self._vm()
-        state = self._check_state(state, tokens.shape[0])
+        state, views = self._check_state(state, tokens.shape[0])
         batch = tokens.shape[0]
         if self.on_gpu:   # the module's inputs live on its device
             tokens = self._tvm.runtime.tensor(tokens, self.device)
-        res = list(vm[entry](tokens, *state))
-        new_state = res[1:]
-        # a copy: the caller's list may change
-        self._local.issued = (tuple(new_state), batch)
+        chooser = self._chooser(entry, tokens.shape)
+        if chooser is None:
+            res = list(vm[entry](tokens, *state))
+        else:
+            chooser.before()
+            t0 = time.perf_counter()
+            res = list(vm[entry](tokens, *state))
+            chooser.after(time.perf_counter() - t0)
+        tensors = res[1:]
+        if self.on_gpu:
+            new_state = tensors
+        else:   # (an entry advanced in place is the caller's view still)
+            new_state = [v if v is not None and t.same_as(s) else _view(t)
+                         for v, t, s in zip(views, tensors, state)]
+        # tuples: the caller's list may change
+        self._local.issued = (tuple(new_state), batch, tuple(tensors))
         if last:
             return last_position(res[0]), new_state
         return (res[0].numpy() if self.on_gpu else np.from_dlpack(res[0]).copy()), new_state
+
+
+# numpy views of the module's host tensors that this package handed out (`_view`), by id: used
+# in place when passed back (the caller's own arrays are copied)
+_OURS = weakref.WeakValueDictionary()
+
+
+def _view(tensor):
+    """A numpy array viewing the host tensor `tensor` (no copy; it keeps the tensor alive),
+    remembered as one of ours."""
+    view = np.from_dlpack(tensor)
+    _OURS[id(view)] = view
+    return view
+
+
+def _tvm_ffi():
+    import tvm_ffi
+
+    return tvm_ffi
+
+
+def _host_array(x):
+    """numpy view (or copy) of a numpy array or a torch tensor (on any device, with or without
+    gradients)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):   # torch, without importing it
+        x = x.detach().cpu()
+    return np.asarray(x)
 
 
 def last_position(logits):

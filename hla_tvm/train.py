@@ -20,6 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from . import validate
+from .paths import replacing
 
 VAL_MODULUS = 20
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -128,7 +129,7 @@ def fit(model, train, val, *, steps, batch=16, seq_len=256, lr=3e-3, warmup=30, 
 def write_curve(hist, path, label):
     """The training curve as JSON at `path` + ".json" and a PNG plot at `path` + ".png"
     (training bits/byte, smoothed, in blue; validation in red)."""
-    with open(path + ".json", "w") as f:
+    with replacing(path + ".json", "w") as f:
         json.dump({"label": label, **hist}, f, indent=1)
     train = hist["train_bpb"]
     smooth, acc = [], None
@@ -179,7 +180,7 @@ def write_png(path, series, x_max, width=640, height=360):
         return struct.pack(">I", len(data)) + kind + data + \
             struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    with open(path, "wb") as f:
+    with replacing(path) as f:
         f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
                                                                  0, 0, 0))
                 + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
@@ -261,14 +262,8 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
                 seq_len=seq_len, lr=lr, python=sys.version.split()[0],
                 torch=torch.__version__, threads=torch.get_num_threads())
     stem = out[:-3] if out.endswith(".pt") else out
-    if attention == "hla":   # into a temporary file, renamed over `out` once whole
-        tmp = f"{out}.{os.getpid()}.tmp"
-        try:
-            model.save(tmp)
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    if attention == "hla":   # (through a temporary file, renamed over `out` once whole)
+        model.save(out)
     write_curve(hist, stem, attention)
     print(f"validation: {hist['val'][-1][1]:.3f} bits/byte after {len(hist['steps'])} steps, "
           f"{hist['seconds']:.0f} s ({hist['tokens'] / hist['seconds']:.0f} tokens/s)")

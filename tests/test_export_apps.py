@@ -159,3 +159,45 @@ def test_cpp_prefill_pieces_equal_the_runtime(tmp_path):
     assert len(got) == len(pairs)
     for (T, chunk), bounds in zip(pairs, got):
         assert bounds == runtime.prefill_pieces(T, chunk or None), (T, chunk)
+
+
+@needs_cmake
+def test_cpp_app_help_and_a_library_that_is_no_model(app, module, tmp_path):
+    run = subprocess.run([app, "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("usage: hla_tvm_app") and \
+        "--temperature" in run.stdout and not run.stderr, run.stdout + run.stderr
+    # a whole, sealed library without an hla_tvm model's note is refused before it is loaded
+    from hla_tvm import libfile
+
+    data = open(module, "rb").read()
+    image = len(data) - libfile.TRAILER
+    size = int.from_bytes(data[image - 16:image - 8], "little")
+    bare = tmp_path / "bare.so"
+    bare.write_bytes(data[:image - 16 - size])
+    libfile.seal(bare)
+    run = subprocess.run([app, str(bare), "--prompt", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1 and "not an hla_tvm compiled model" in run.stderr, run.stderr
+
+
+def test_script_refuses_a_library_that_is_no_model_and_samples_text_as_run(module, tmp_path):
+    import runpy
+
+    from hla_tvm import generate, libfile
+
+    ns = runpy.run_path(os.path.join(ROOT, "export", "python", "generate.py"),
+                        run_name="generate")
+    # the format constants it keeps (it imports nothing of hla_tvm) are the package's
+    assert (ns["TRAILER"], ns["NOTE"], ns["MODULE_FORMAT"]) == (
+        libfile.TRAILER, libfile.NOTE, __import__("hla_tvm.runtime").runtime.MODULE_FORMAT)
+    assert (ns["TEXT_TEMPERATURE"], ns["TEXT_TOP_K"]) == (generate.TEXT_TEMPERATURE,
+                                                          generate.TEXT_TOP_K)
+    ns["check_module"](module)
+    data = open(module, "rb").read()
+    image = len(data) - libfile.TRAILER
+    size = int.from_bytes(data[image - 16:image - 8], "little")
+    bare = tmp_path / "bare.so"
+    bare.write_bytes(data[:image - 16 - size])
+    libfile.seal(bare)
+    with pytest.raises(ValueError, match="not an hla_tvm compiled model"):
+        ns["check_module"](str(bare))

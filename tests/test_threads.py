@@ -96,3 +96,85 @@ def test_the_operator_from_threads():
         assert rel_err(out, hla2.quadratic(q, k, v)) <= 1e-4
         serial_out, serial_steps = run(i)
         assert torch.equal(out, serial_out) and torch.equal(steps, serial_steps)
+
+
+def test_results_do_not_depend_on_the_worker_count(model_path):
+    """A compiled module gives bit-identical logits on 1 worker, on every core, and with the
+    count chosen per call by timing (the default): only the time depends on it."""
+    runs = []
+    for threads in (1, None, 2):
+        m = load(model_path, threads=threads)
+        prompt = np.random.default_rng(1).integers(0, VOCAB, (2, 300))
+        logits, state = m.prefill(prompt, m.init_state(2))
+        steps = [logits]
+        for t in range(40):   # (past the adaptive chooser's first probes)
+            out, state = m.decode(prompt[:, t], state)
+            steps.append(out)
+        runs.append(steps)
+    for other in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_the_worker_count_follows_the_measured_times():
+    """pool.Adaptive probes every candidate count, keeps the fastest by its median (not by one
+    lucky call), drops a count far behind after one call, probes again when the chosen count
+    turns slow (the load changed), and keeps small calls on the calling thread."""
+    from hla_tvm.pool import Adaptive
+
+    set_to = []
+    chooser = Adaptive(4, set_to.append)
+    assert chooser.candidates == [1, 2, 4]
+    cost = {1: 3e-3, 2: 1e-3, 4: 50e-3}   # a busy machine: every core is slow
+
+    def call():
+        n = chooser.before()
+        chooser.after(cost[n])
+        return n
+
+    probe = [call() for _ in range(2 * Adaptive.PROBE_CALLS + 1)]
+    assert probe.count(4) == 1 and sorted(set(probe)) == [1, 2, 4]   # 4 dropped at once
+    assert [call() for _ in range(20)] == [2] * 20 and chooser.chosen == 2
+    cost[2] = 10e-3   # 2 turns slow: after SLOW_RUN slow calls the counts are probed again
+    seen = [call() for _ in range(Adaptive.SLOW_RUN + 8)]
+    assert seen[:Adaptive.SLOW_RUN] == [2] * Adaptive.SLOW_RUN and 1 in seen
+    assert chooser.chosen == 1 and [call() for _ in range(5)] == [1] * 5
+    assert set_to[-1] == 1 and all(a != b for a, b in zip(set_to, set_to[1:]))
+    # a count with one lucky fast call among slow ones is not chosen over a steady one
+    chooser = Adaptive(2, set_to.append)
+    lucky = iter([0.5e-3] + [20e-3] * 10)
+    steady = 2e-3
+    for _ in range(2 * Adaptive.PROBE_CALLS):
+        n = chooser.before()
+        chooser.after(steady if n == 1 else next(lucky))
+    assert chooser.chosen == 1
+    # calls too small for a pool to gain stay on the calling thread, the others never tried
+    chooser = Adaptive(2, set_to.append)
+    tried = []
+    for _ in range(Adaptive.PROBE_CALLS + 3):
+        tried.append(chooser.before())
+        chooser.after(0.1e-3)
+    assert tried == [1] * (Adaptive.PROBE_CALLS + 3) and chooser.chosen == 1
+    assert Adaptive(1, set_to.append).candidates == [1]
+
+
+def test_other_load_counts_the_cores_other_processes_keep_busy():
+    """What demo and bench report as a busy machine: another process spinning for the whole
+    block counts as most of a core (this process's own time does not count)."""
+    import subprocess
+    import sys
+    import time
+
+    from hla_tvm.pool import OtherLoad
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\n"
+                             "while time.time() < end: pass"])
+    try:
+        time.sleep(0.3)   # (started)
+        with OtherLoad() as load:
+            end = time.perf_counter() + 1.0
+            while time.perf_counter() < end:   # this process busy too: not counted
+                pass
+    finally:
+        spin.kill()
+    assert load.cores is not None and load.cores >= 0.5 and load.busy, load.cores
+    assert load.note("the timing").startswith("note: other processes kept")

@@ -54,9 +54,14 @@ def test_training_learns_and_repeats_from_a_seed():
                          eval_every=20, eval_batches=2, progress=False)
         runs.append((model, hist))
     (m1, h1), (m2, h2) = runs
-    assert h1["train_bpb"] == h2["train_bpb"]
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(),
-                                                  m2.state_dict().values()))
+    # the same batches and starting weights; PyTorch's CPU kernels (threads, vector code that
+    # depends on alignment) promise no bitwise repeatability, so equal up to rounding (a 2-core
+    # Xeon gave 7.896685228 vs 7.896685916 at step 2)
+    assert len(h1["train_bpb"]) == len(h2["train_bpb"]) == 40
+    torch.testing.assert_close(torch.tensor(h1["train_bpb"]), torch.tensor(h2["train_bpb"]),
+                               rtol=1e-4, atol=0)
+    for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
     first, last = h1["val"][0][1], h1["val"][-1][1]
     assert first > 7.0 and last < 0.5 * first, h1["val"]   # a repeated line is learned
 

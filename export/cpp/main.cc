@@ -56,16 +56,36 @@ struct Options {
   bool text = false;  // --text: the prompt's bytes are the ids; print text
   std::string prompt_text;
   int steps = 16;
-  float temperature = 0.0f;  // 0: greedy
-  int top_k = 0;             // 0: every token
+  // unset (-1): as `hla-tvm run` samples, text at 0.9 with the top 40, ids greedily
+  float temperature = -1.0f;  // 0: greedy
+  int top_k = -1;             // 0: every token
   uint64_t seed = 0;
 };
 
+const char* const kUsage =
+    "usage: hla_tvm_app MODEL.so (--prompt 5,9,2 | --text TEXT) [--steps N] "
+    "[--temperature T] [--top-k K] [--seed S]\n";
+
 [[noreturn]] void Usage(const std::string& why) {
-  std::cerr << "hla_tvm_app: " << why << "\n"
-            << "usage: hla_tvm_app MODEL.so (--prompt 5,9,2 | --text TEXT) [--steps N] "
-               "[--temperature T] [--top-k K] [--seed S]\n";
+  std::cerr << "hla_tvm_app: " << why << "\n" << kUsage;
   std::exit(2);
+}
+
+[[noreturn]] void Help() {
+  std::cout << kUsage
+            << "\nGenerate with a module compiled by `hla-tvm compile` (TVM runtime only).\n"
+               "  --prompt IDS       prompt token ids, e.g. 5,9,2 (printed: the new ids)\n"
+               "  --text TEXT        prompt text, for byte-level models (printed: the text)\n"
+               "  --steps N          tokens to generate (default 16)\n"
+               "  --temperature T    sampling temperature, 0 greedy (default: 0.9 for --text,\n"
+               "                     0 for --prompt, as `hla-tvm run`)\n"
+               "  --top-k K          sample from the K most likely tokens, 0 all (default: 40\n"
+               "                     when sampling --text, else 0)\n"
+               "  --seed S           seed of the sampler (default 0)\n"
+               "  -h, --help         this help\n"
+               "A module compiled for an NVIDIA GPU runs on the first GPU when its device code\n"
+               "(MODEL.device/) lies beside it.\n";
+  std::exit(0);
 }
 
 // A whole decimal integer in [lo, hi], else the usage error naming `what`.
@@ -102,7 +122,9 @@ Options ParseArgs(int argc, char** argv) {
       if (i + 1 >= argc) Usage(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--prompt") {
+    if (a == "--help" || a == "-h") {
+      Help();
+    } else if (a == "--prompt") {
       if (o.text) Usage("give --prompt or --text, not both");
       o.prompt = ParseIds(value());
     } else if (a == "--text") {
@@ -135,6 +157,8 @@ Options ParseArgs(int argc, char** argv) {
   }
   if (o.module.empty()) Usage("give the compiled module");
   if (o.prompt.empty()) Usage("give --prompt or --text");
+  if (o.temperature < 0) o.temperature = o.text ? 0.9f : 0.0f;
+  if (o.top_k < 0) o.top_k = o.text && o.temperature > 0 ? 40 : 0;
   return o;
 }
 
@@ -383,9 +407,11 @@ std::string ReadHead(const std::string& path, size_t n) {
 }
 
 // Refuse a file that is not a whole, unmodified module written by `hla-tvm compile` for this
-// machine's architecture (a truncated library would kill the process when mapped, an altered one
-// compute wrong answers). The trailer, as `hla_tvm.libfile` writes it: "HLATVMSL", a tag (32
-// bytes), the sha256 of every byte before the trailer (32 bytes), "HLATVMEN". The file is
+// machine's architecture, before it is loaded (a truncated library would kill the process when
+// mapped, an altered one compute wrong answers, and a library that is not an hla_tvm model would
+// run its code when loaded). The trailer, as `hla_tvm.libfile` writes it: "HLATVMSL", a tag (32
+// bytes), the sha256 of every byte before the trailer (32 bytes), "HLATVMEN"; before it, the
+// model's metadata note: the JSON, its length (8 bytes, little-endian), "HLATVMNT". The file is
 // hashed as it is read, a block at a time.
 void CheckModule(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
@@ -437,6 +463,25 @@ void CheckModule(const std::string& path) {
   if (digest.Hex() != want.str()) {
     throw std::runtime_error(path + ": the module is corrupt (its sha256 does not match the "
                              "checksum recorded when it was compiled)");
+  }
+  // the metadata note (outside the loaded image) must name an hla_tvm model
+  std::string note, end(16, '\0');
+  const size_t image = size - trailer;
+  f.clear();
+  f.seekg(static_cast<std::streamoff>(image - 16));
+  if (f.read(end.data(), 16) && end.compare(8, 8, "HLATVMNT") == 0) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(end[i]);
+    if (n <= image - 16 - 64) {
+      note.resize(n);
+      f.seekg(static_cast<std::streamoff>(image - 16 - n));
+      if (!f.read(note.data(), static_cast<std::streamsize>(n))) note.clear();
+    }
+  }
+  if (note.find("\"format\": \"hla_tvm.module/1\"") == std::string::npos) {
+    throw std::runtime_error(path + ": not an hla_tvm compiled model (its metadata note " +
+                             (note.empty() ? "is missing" : "does not name hla_tvm.module/1") +
+                             "); compile it with `hla-tvm compile`");
   }
 }
 

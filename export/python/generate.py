@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import struct
 import sys
 
 import numpy as np
@@ -72,6 +73,10 @@ def aligned(array):
 # a module's trailer, as `hla_tvm.libfile` writes it: b"HLATVMSL", a tag (32 bytes), the sha256
 # of every byte before the trailer (32 bytes), b"HLATVMEN"
 TRAILER = 80
+NOTE = b"HLATVMNT"   # ends the metadata note before the trailer: [note, its length, NOTE]
+MODULE_FORMAT = "hla_tvm.module/1"
+# text prompts are sampled as `hla-tvm run` samples them (hla_tvm.generate's TEXT_SAMPLING)
+TEXT_TEMPERATURE, TEXT_TOP_K = 0.9, 40
 ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 243: "riscv64"}
 
 
@@ -89,8 +94,10 @@ def _machine_code(path):
 
 def check_module(path):
     """Refuse (ValueError, one line) a file that is not a whole, unmodified module written by
-    `hla-tvm compile` for this machine's architecture: a truncated library would kill the
-    process when mapped, an altered one compute wrong answers."""
+    `hla-tvm compile` for this machine's architecture, before it is loaded: a truncated library
+    would kill the process when mapped, an altered one compute wrong answers, and a library
+    that is not an hla_tvm model (its metadata note, outside the loaded image, says what it
+    is) would run its code when loaded."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -114,11 +121,27 @@ def check_module(path):
                 block = f.read(min(left, 1 << 20))
                 digest.update(block)
                 left -= len(block)
+            if digest.digest() != trailer[40:72]:
+                raise ValueError(f"{path}: the module is corrupt (its sha256 does not match the "
+                                 "checksum recorded when it was compiled)")
+            f.seek(max(0, size - TRAILER - 16))
+            tail = f.read(16)
+            note = None
+            if len(tail) == 16 and tail[8:] == NOTE:
+                (n,) = struct.unpack("<Q", tail[:8])
+                if n <= size - TRAILER - 16 - 64:
+                    f.seek(size - TRAILER - 16 - n)
+                    note = f.read(n)
     except OSError as err:
         raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from None
-    if digest.digest() != trailer[40:72]:
-        raise ValueError(f"{path}: the module is corrupt (its sha256 does not match the checksum "
-                         "recorded when it was compiled)")
+    try:
+        meta = json.loads(note.decode()) if note is not None else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != MODULE_FORMAT:
+        raise ValueError(f"{path}: not an hla_tvm compiled model (its metadata note "
+                         f"{'is missing' if note is None else 'does not name ' + MODULE_FORMAT}"
+                         "); compile it with `hla-tvm compile`")
 
 
 def device_code_folder(module):
@@ -338,10 +361,12 @@ def main(argv=None):
     p.add_argument("--prompt", default=None, help="prompt token ids, e.g. 5,9,2")
     p.add_argument("--text", default=None, help="prompt text (byte-level models)")
     p.add_argument("--steps", type=int, default=16, help="tokens to generate (default: 16)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature (default: 0, greedy)")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample from the k most likely tokens (default: 0, all)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0 greedy (default: 0.9 for --text, 0 for "
+                        "--prompt, as `hla-tvm run`)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k most likely tokens, 0 all (default: 40 when "
+                        "sampling --text, else 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: 0)")
     p.add_argument("--runtime-lib", default=None,
                    help="path of libtvm_runtime.so (default: $TVM_RUNTIME_LIB, a bundle's "
@@ -349,6 +374,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.text is None):
         p.error("give --prompt ids or --text TEXT")
+    text = args.text is not None   # (text samples as `hla-tvm run` does unless told otherwise)
+    if args.temperature is None:
+        args.temperature = TEXT_TEMPERATURE if text else 0.0
+    if args.top_k is None:
+        args.top_k = TEXT_TOP_K if text and args.temperature > 0 else 0
     if args.text is not None:
         prompt = list(args.text.encode("utf-8"))
         if not prompt:

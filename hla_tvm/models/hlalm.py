@@ -104,9 +104,12 @@ class HLALM(nn.Module):
     def save(self, path):
         """Config, weights and their digest (`weights_digest`) in torch's weights-only format
         (nothing arbitrary is pickled)."""
+        from ..paths import replacing
+
         weights = self.state_dict()
-        torch.save({"format": CHECKPOINT_FORMAT, "config": self.config, "weights": weights,
-                    "digest": weights_digest(self.config, weights)}, path)
+        with replacing(path) as f:   # (whole or not at all: `paths.replacing`)
+            torch.save({"format": CHECKPOINT_FORMAT, "config": self.config, "weights": weights,
+                        "digest": weights_digest(self.config, weights)}, f)
 
     @classmethod
     def load(cls, path):

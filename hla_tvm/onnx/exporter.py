@@ -22,6 +22,7 @@ import warnings
 import onnx
 import torch
 
+from ..paths import replacing
 from . import function, schema
 
 FORMAT = "hla_tvm.onnx/1"
@@ -149,5 +150,6 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False):
         proto.metadata_props.add(key=key, value=value)
     function.check(proto)
     proto.metadata_props.add(key=META_DIGEST, value=content_digest(proto))
-    onnx.save(proto, str(path))
+    with replacing(path) as f:
+        onnx.save(proto, f)
     return proto

@@ -261,6 +261,12 @@ def node_variant(node):
         if a.name not in ATTRIBUTES:
             raise ValueError(f"{describe(node)}: unknown attribute {a.name!r}; the operator has "
                              f"{sorted(ATTRIBUTES)}")
+        want = onnx.AttributeProto.INT if isinstance(ATTRIBUTES[a.name], int) else \
+            onnx.AttributeProto.FLOAT
+        if a.type != want:
+            raise ValueError(f"{describe(node)}: attribute {a.name!r} must be "
+                             f"{'an int' if want == onnx.AttributeProto.INT else 'a float'}, "
+                             f"got {onnx.AttributeProto.AttributeType.Name(a.type).lower()}")
         attrs[a.name] = helper.get_attribute_value(a)
     order, asym = attrs["order"], attrs["asymmetric"]
     if (order, bool(asym)) not in STATE_NAMES or asym not in (0, 1):
@@ -274,6 +280,10 @@ def node_variant(node):
                          "only")
     if not 0.0 < attrs["decay"] <= 1.0:
         raise ValueError(f"{describe(node)}: decay must lie in (0, 1], got {attrs['decay']}")
+    for name in ("eps", "ridge"):   # (as hla() takes them)
+        if not attrs[name] >= 0.0:
+            raise ValueError(f"{describe(node)}: {name} must be a number >= 0, got "
+                             f"{attrs[name]}")
     names = STATE_NAMES[(order, bool(asym))]
     n_in, n_out = len(node.input), len(node.output)
     if n_in not in (3, 4, 4 + len(names)):
@@ -316,18 +326,42 @@ def add_functions(model):
     return model
 
 
-def check_functions(model):
+def check_functions(model, require=True):
     """ValueError naming the first `hla_tvm::HLA` node whose function body the model lacks
-    (without one, ONNX Runtime and other runtimes cannot run the node)."""
-    have = {(f.domain, f.name, f.overload) for f in model.functions}
+    (with `require`: without one, ONNX Runtime and other runtimes cannot run the node), or
+    carries in another form than the one its attributes define (`make_function`): ONNX Runtime
+    runs the body and TVM the attributes, so a body that computed something else would give
+    two answers."""
+    have = {(f.domain, f.name, f.overload): f for f in model.functions}
+    checked = set()
     for n in hla_nodes(model.graph):
         var = node_variant(n)
-        if (DOMAIN, OP_TYPE, n.overload) not in have:
+        key = (DOMAIN, OP_TYPE, n.overload)
+        if key not in have and not require:
+            continue
+        if key not in have:
             raise ValueError(
                 f"{describe(n)}: the model carries no function body for overload "
                 f"{n.overload or '(none)'!r} (expected {var['overload']!r}), so a runtime "
                 "without hla_tvm cannot run it; add it with hla_tvm.onnx.add_functions(model)")
+        if key not in checked:
+            want = make_function(var["order"], var["asymmetric"], var["masked"],
+                                 var["normalize"], var["decay_input"], var["state_input"])
+            if _body(have[key]) != _body(want):
+                raise ValueError(
+                    f"{describe(n)}: the model's function body for overload {n.overload!r} is "
+                    "not the one its attributes define (altered, or written by another "
+                    "version): runtimes would compute something else than the node says; "
+                    "export the model again")
+            checked.add(key)
     return model
+
+
+def _body(func):
+    """A FunctionProto's content without its documentation, as bytes (deterministic)."""
+    func = onnx.FunctionProto.FromString(func.SerializeToString())
+    func.ClearField("doc_string")
+    return func.SerializeToString(deterministic=True)
 
 
 def check(model):

@@ -47,6 +47,10 @@ def load_model(model):
         raise ValueError(f"{path}: the ONNX model is corrupt or was edited after export (its "
                          f"content does not match the {META_DIGEST} digest recorded by "
                          "hla_tvm.onnx.export); export it again")
+    try:   # the bodies it carries are what its attributes say (TVM compiles the attributes)
+        function.check_functions(proto, require=False)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     return proto
 
 
@@ -291,6 +295,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: 
     from ..compiler import build, records_folder, resolve_model_target
 
     out = validate.output_path("out", out)
+    validate.not_an_input("out", out, path)
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     records_path = records_folder(schedules, tgt)
     from ..frontend.relax_hla import chunks_for

@@ -37,9 +37,9 @@ def target_folder(target):
 
 def user_root():
     """~/.cache/hla_tvm/schedules (under $HLA_TVM_CACHE_DIR when set)."""
-    from ..build import cache_dir
+    from .. import cache
 
-    return os.path.join(cache_dir(), "schedules")
+    return os.path.join(cache.root(), cache.RECORDS)
 
 
 def package_root():
@@ -167,14 +167,16 @@ def load(path):
 def _check_lines(file, check):
     """Number of records in `file` (one JSON value per line), each passed to check(), which
     returns a reason when it is malformed; ValueError naming the file and line otherwise
-    (meta_schedule's reader would crash the process on some malformed records)."""
+    (meta_schedule's reader would crash the process on some malformed records, and on a blank
+    line in the tuning records)."""
     count = 0
-    with open(file) as f:
+    with open(file, "rb") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
             try:
-                reason = check(json.loads(line))
+                text = line.decode("utf-8")
+                reason = "a blank line" if not text.strip() else check(json.loads(text))
+            except UnicodeDecodeError as err:
+                reason = f"not UTF-8 text: {err.reason}"
             except json.JSONDecodeError as err:
                 reason = str(err)
             if reason:

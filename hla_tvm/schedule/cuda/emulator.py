@@ -238,23 +238,23 @@ def translate(source):
 
 def _compile(cpp):
     """The loaded shared library of C++ source `cpp` (built once per source, cached)."""
-    from ...build import cache_dir
+    from ... import cache
 
-    folder = os.path.join(cache_dir(), "emulator")
-    os.makedirs(folder, exist_ok=True)
+    folder = cache.folder("emulator")
     path = os.path.join(folder, hashlib.sha256(cpp.encode()).hexdigest()[:24] + ".so")
     if not os.path.exists(path):
-        with tempfile.TemporaryDirectory() as tmp:
+        from ...paths import replacing_path
+
+        with tempfile.TemporaryDirectory() as tmp, \
+                replacing_path(path, suffix=".so", executable=True) as tmp_lib:
             src = os.path.join(tmp, "kernel.cpp")
             with open(src, "w") as f:
                 f.write(cpp)
-            tmp_lib = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per builder
             res = subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", src,
                                   "-o", tmp_lib], capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError("emulator: g++ could not compile the kernel's CUDA source:\n"
                                    + res.stderr[-3000:])
-            os.replace(tmp_lib, path)
     return ctypes.CDLL(path)
 
 
