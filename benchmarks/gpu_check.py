@@ -39,7 +39,7 @@ Timed: decode at B64 H32 D128 (float32 state) against `hla_tvm.fast.step` eager 
 torch.compile, as a share of the measured copy bandwidth; prefill at B1 H32 T32768 D128 bfloat16
 against `hla_tvm.fast.chunk` (float32 work, as `hla(backend="torch")`) eager and under
 torch.compile, and SDPA causal softmax (flash) on the same inputs, each family's chain also
-with the schedule variants of `VARIANTS` (the ninth session's schedule among them), so a
+with the schedule variants of `VARIANTS` (the schedule the H200 timed among them), so a
 schedule change is judged beside its predecessor in one run.
 
 TVM 0.27 keeps a module's CUDA code as source and builds it when the module is loaded, through
@@ -76,12 +76,12 @@ CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2d", "ahla", "hla3")
 DECODE_TIMED = ("hla2d", "ahla", "hla3")   # B64 H32 D128 float32
 # prefill chains (B1 H32 T D128 bfloat16) built with other schedules too (`cuda.schedule`'s
 # variant arguments; "chunk": another chunk size) and timed beside the default in the same
-# run: the ninth session's schedule (scans one block per (batch, head), one output per thread,
-# 128 threads), the register tiles on 128 threads, and chunks of 32 (less shared memory per
+# run: the schedule the H200 timed on 2026-12-04 (scans one block per (batch, head), one output
+# per thread, 128 threads), the register tiles on 128 threads, and chunks of 32 (less shared memory per
 # block: AHLA's and third order's kernels take up to 197 kB at 64, one block per
 # multiprocessor)
 PREFILL_VARIANTS = ("hla2d", "ahla", "hla3")
-VARIANTS = {"ninth-session": dict(lanes=False, tiles=(), chunk_threads=128),
+VARIANTS = {"h200-timed": dict(lanes=False, tiles=(), chunk_threads=128),
             "tiles-128-threads": dict(chunk_threads=128),
             "chunk-32": dict(chunk=32)}
 
@@ -134,7 +134,7 @@ def prepare(args):
 
     from hla_tvm import backend
     from hla_tvm.build import TUNED, compile_kernels
-    from hla_tvm.device_code import cuda_source, store
+    from hla_tvm.runtime.device_code import cuda_source, store
     from hla_tvm.schedule import cuda
     from hla_tvm.target import resolve
 
@@ -212,7 +212,7 @@ def load_runtime(bundle):
     torch.cuda.init()
     rt = os.path.join(bundle, "runtime")
     ctypes.CDLL(os.path.join(rt, "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
-    from hla_tvm.device_code import load_cuda_runtime, serve
+    from hla_tvm.runtime.device_code import load_cuda_runtime, serve
 
     load_cuda_runtime(rt)
     arch = json.load(open(os.path.join(bundle, "manifest.json")))["arch"]

@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 
-from hla_tvm import bench
+from hla_tvm.cli import bench
 
 CASES = ("tvm", "torch", "torch_sdpa")
 

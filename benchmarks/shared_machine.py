@@ -1,6 +1,6 @@
 """A compiled module on a machine shared with busy processes: decode tokens/s and prefill times
 of the shipped demo model with the default worker count (chosen per call by timing,
-`hla_tvm.pool.Adaptive`) beside fixed counts, on a quiet machine and beside N processes that
+`hla_tvm.runtime.pool.Adaptive`) beside fixed counts, on a quiet machine and beside N processes that
 each spin on one core. Every case runs in a fresh process (TVM sizes its pool once per
 thread), the cases in rounds so that a noisy spell falls on all of them.
 
@@ -54,9 +54,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="decode steps timed")
     a = p.parse_args()
-    from hla_tvm import demo
+    from hla_tvm.cli import demo
     from hla_tvm.models import HLALM
-    from hla_tvm.pool import physical_cores
+    from hla_tvm.runtime.pool import physical_cores
     from hla_tvm.target import resolve
 
     path, _ = demo.compiled_module(HLALM.load(demo.SHIPPED), resolve("llvm"))

@@ -11,8 +11,8 @@ import os
 import threading
 import warnings
 
-from . import cache, libfile
-from .cache import root as cache_dir  # noqa: F401  (where the cache is: `cache`)
+from .runtime import cache, libfile
+from .runtime.cache import root as cache_dir  # noqa: F401  (where the cache is: `cache`)
 
 _MEMORY: dict = {}
 _LOCK = threading.Lock()
@@ -133,7 +133,7 @@ def _size_thread_pool():
     ($TVM_NUM_THREADS wins), as `hla_tvm.runtime.load` does. TVM's own default (half the
     logical CPUs) left the operator 1.7x slower on a 2-core machine."""
     if not _POOL_SIZED:
-        from .pool import set_threads
+        from .runtime.pool import set_threads
 
         set_threads(None)
         _POOL_SIZED.append(True)

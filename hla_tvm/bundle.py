@@ -28,8 +28,8 @@ import shutil
 import tempfile
 import textwrap
 
-from .libfile import elf_machine
-from .paths import replacing
+from .runtime.libfile import elf_machine
+from .runtime.paths import replacing
 from .target import is_host_arch
 
 def export_sources():
@@ -58,7 +58,7 @@ def fetch_runtime(arch, progress=print):
     import zipfile
     from importlib.metadata import version
 
-    from . import cache
+    from .runtime import cache
 
     versions = {pkg: version(dist) for pkg, dist in DISTRIBUTIONS.items()}
     dest = os.path.join(cache.folder("runtime"), f"{arch}-tvm{versions['tvm']}-ffi"
@@ -157,7 +157,7 @@ CUDA_LIB = "libtvm_runtime_cuda.so"   # TVM's CUDA runtime, beside libtvm_runtim
 def _device_code(module):
     """The device code folder of the CUDA module at `module` (`device_code.folder_beside`),
     each file checked against its sha256; ValueError when it is missing or does not match."""
-    from .device_code import folder_beside, read_checked
+    from .runtime.device_code import folder_beside, read_checked
 
     folder = folder_beside(module)
     binaries = sorted(f for f in os.listdir(folder) if f.endswith(".fatbin")) \
@@ -176,7 +176,7 @@ def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
     folder, or None); returns its description."""
     from importlib.metadata import version
 
-    from .device_code import cudart_path
+    from .runtime.device_code import cudart_path
 
     shutil.copy2(module, os.path.join(out, "model.so"))
     src = export_sources()

@@ -257,7 +257,7 @@ def build(mod, meta, target, out, records_path=None):
     `target` (`executable`) and write the sealed library to `out` (atomically); for a CUDA
     target, its device code beside it where nvcc is installed (`device_code.ship`). Returns
     `out`."""
-    from . import device_code, libfile
+    from .runtime import device_code, libfile
 
     exe, meta = executable(mod, meta, target, records_path)
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from .paths import not_an_input, output_path  # noqa: F401  (every entry point's checks)
+from .runtime.paths import not_an_input, output_path  # noqa: F401  (every entry point's checks)
 
 
 # The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with

@@ -41,7 +41,7 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
 def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
     """A timed run that started before the process went idle (settle gave up after 1 s) is
     counted and named under the table, not passed over."""
-    from hla_tvm import bench
+    from hla_tvm.cli import bench
 
     assert "note:" not in capsys.readouterr().out
     monkeypatch.setattr(bench, "settle", lambda: False)

@@ -52,7 +52,7 @@ def test_long_prompts_prefill_in_pieces(compiled, T, monkeypatch):
     """A CPU prefill longer than PREFILL_PIECE runs in pieces of whole chunks (the model's
     chunk is 16; a last piece of one token is avoided): the same logits and state as one
     call, and the PyTorch model's logits."""
-    from hla_tvm import runtime
+    from hla_tvm.runtime import model as runtime
 
     model, path = compiled
     m = load(path)

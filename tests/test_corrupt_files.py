@@ -98,7 +98,7 @@ def test_damaged_compiled_module_is_refused_without_a_crash(files, tmp_path, how
 
 
 def test_module_metadata_reads_without_loading(files, tmp_path):
-    from hla_tvm import libfile
+    from hla_tvm.runtime import libfile
     from hla_tvm.runtime import read_meta
 
     lib = files[1] / "model.so"
@@ -255,7 +255,7 @@ def test_module_compiled_again_to_the_same_path_is_reloaded(tmp_path):
 
 def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files, tmp_path,
                                                                            cpp_app):
-    """export/'s script and C++ app check a module as `hla_tvm.libfile` does before the loader
+    """export/'s script and C++ app check a module as `hla_tvm.runtime.libfile` does before the loader
     maps it (truncated: SIGBUS; flipped bytes: silently wrong tokens) and refuse a module for
     another architecture or a name TVM cannot load, each with one line naming the file."""
     _, folder = files
@@ -263,7 +263,7 @@ def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files
                           "export", "python", "generate.py")
     paths = [_damaged(folder / "model.so", tmp_path / f"{how}{s}.so", how, s, count=64)
              for how in ("truncate", "flip") for s in SEEDS[:3]]
-    from hla_tvm.libfile import ELF_MACHINES, host_machine_code
+    from hla_tvm.runtime.libfile import ELF_MACHINES, host_machine_code
 
     other = 62 if host_machine_code() == 183 else 183   # x86_64 on aarch64, else aarch64
     foreign = bytearray((folder / "model.so").read_bytes())

@@ -10,7 +10,7 @@ import pytest
 
 from hla_tvm import backend
 from hla_tvm.build import schedule_module
-from hla_tvm.device_code import compile_cuda, cuda_source, nvcc
+from hla_tvm.runtime.device_code import compile_cuda, cuda_source, nvcc
 from hla_tvm.kernels import chains
 from hla_tvm.schedule import cuda
 from hla_tvm.schedule.cuda.limits import check
@@ -209,7 +209,7 @@ def test_target_follows_the_tensors_device(monkeypatch):
 def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
     import tvm_ffi
 
-    from hla_tvm.device_code import HOOK, _write, serve, stored_path
+    from hla_tvm.runtime.device_code import HOOK, _write, serve, stored_path
 
     source = 'extern "C" __global__ void one(float* x) { x[threadIdx.x] = 1.0f; }\n'
     before = tvm_ffi.get_global_func(HOOK, allow_missing=True)
@@ -234,7 +234,7 @@ def test_the_device_code_hook_builds_once_and_serves_from_its_folder(tmp_path):
 def _restore_hook(before):
     import tvm_ffi
 
-    from hla_tvm.device_code import HOOK
+    from hla_tvm.runtime.device_code import HOOK
 
     if before is not None:
         tvm_ffi.register_global_func(HOOK, before, override=True)
@@ -245,7 +245,7 @@ def _restore_hook(before):
 def test_shipped_device_code_is_picked_for_the_gpu_architecture(tmp_path, monkeypatch):
     """A module's shipped fatbin serves its own architecture and later ones (the driver
     compiles its PTX), never an older GPU."""
-    from hla_tvm import device_code
+    from hla_tvm.runtime import device_code
 
     monkeypatch.setattr(device_code, "_SHIPPED", [])
     source = "// some CUDA source\n"
@@ -339,7 +339,7 @@ def test_the_test_model_compiles_for_sm80_and_sm90(gpu_model, monkeypatch, capsy
 def _served_without_nvcc(tmp_path, source, monkeypatch):
     import tvm_ffi
 
-    from hla_tvm import device_code
+    from hla_tvm.runtime import device_code
 
     before = tvm_ffi.get_global_func(device_code.HOOK, allow_missing=True)
     monkeypatch.setattr(device_code, "nvcc", lambda: None)
@@ -392,7 +392,7 @@ def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
         gpu_model, cpp_app, tmp_path, capsys):
     """`hla-tvm bundle` of a module compiled for a GPU: the module, its device code (checked),
     TVM's CUDA runtime; the bundle's script and C++ app pick the device code by the source's
-    sha256 and the GPU's architecture (as `hla_tvm.device_code` does), refuse altered device
+    sha256 and the GPU's architecture (as `hla_tvm.runtime.device_code` does), refuse altered device
     code, and without a GPU or a driver say so. (On a GPU: `benchmarks/gpu_check.py models`.)"""
     import json
     import shutil

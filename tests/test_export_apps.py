@@ -167,7 +167,7 @@ def test_cpp_app_help_and_a_library_that_is_no_model(app, module, tmp_path):
     assert run.returncode == 0 and run.stdout.startswith("usage: hla_tvm_app") and \
         "--temperature" in run.stdout and not run.stderr, run.stdout + run.stderr
     # a whole, sealed library without an hla_tvm model's note is refused before it is loaded
-    from hla_tvm import libfile
+    from hla_tvm.runtime import libfile
 
     data = open(module, "rb").read()
     image = len(data) - libfile.TRAILER
@@ -183,7 +183,7 @@ def test_cpp_app_help_and_a_library_that_is_no_model(app, module, tmp_path):
 def test_script_refuses_a_library_that_is_no_model_and_samples_text_as_run(module, tmp_path):
     import runpy
 
-    from hla_tvm import generate, libfile
+    from hla_tvm.runtime import generate, libfile
 
     ns = runpy.run_path(os.path.join(ROOT, "export", "python", "generate.py"),
                         run_name="generate")

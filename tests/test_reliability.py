@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from hla_tvm import cache, libfile, paths
+from hla_tvm.runtime import cache, libfile, paths
 from hla_tvm.cli import main
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM

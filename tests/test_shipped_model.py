@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from hla_tvm import demo
+from hla_tvm.cli import demo
 from hla_tvm.cli import main
-from hla_tvm.generate import Eager, encode_text, generate
+from hla_tvm.runtime.generate import Eager, encode_text, generate
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 from hla_tvm.target import host_target
@@ -30,7 +30,7 @@ def shipped():
 
 
 def test_shipped_model_is_small_byte_level_and_better_than_uniform():
-    from hla_tvm import train
+    from hla_tvm.cli import train
 
     size = os.path.getsize(demo.SHIPPED)
     assert size <= 8 * 2 ** 20
@@ -81,7 +81,7 @@ def test_demo_streams_text_and_reports_speed(shipped, capsys, monkeypatch):
     assert PROMPT in out and "tokens/s" in out and "PyTorch eager" in out and "OK" in out
     assert "compiling" not in err   # the module of the fixture, from the cache
     # timed while other processes kept the machine busy: the comparison says so
-    from hla_tvm import pool
+    from hla_tvm.runtime import pool
 
     monkeypatch.setattr(pool.OtherLoad, "BUSY", -1.0)
     assert main(["demo", "--tokens", "8", "--prompt", PROMPT]) == 0
@@ -118,7 +118,7 @@ def test_run_reads_a_long_prompt_from_a_file_or_stdin(shipped, capsys, tmp_path,
     ECHO_CHARS is echoed by its end, after a marker saying how much was left out."""
     import io
 
-    from hla_tvm import cli
+    from hla_tvm.cli import run as run_command
 
     _, path = shipped
     args = ["--tokens", "8", "--temperature", "0"]
@@ -130,7 +130,7 @@ def test_run_reads_a_long_prompt_from_a_file_or_stdin(shipped, capsys, tmp_path,
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode())))
     assert main(["run", path, "--prompt-file", "-"] + args) == 0
     assert capsys.readouterr().out == want
-    monkeypatch.setattr(cli, "ECHO_CHARS", 10)
+    monkeypatch.setattr(run_command, "ECHO_CHARS", 10)
     assert main(["run", path, "--prompt", PROMPT] + args) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"[... {len(PROMPT) - 10} characters of the prompt ...]" + PROMPT[-10:])

@@ -119,7 +119,7 @@ def test_the_worker_count_follows_the_measured_times():
     """pool.Adaptive probes every candidate count, keeps the fastest by its median (not by one
     lucky call), drops a count far behind after one call, probes again when the chosen count
     turns slow (the load changed), and keeps small calls on the calling thread."""
-    from hla_tvm.pool import Adaptive
+    from hla_tvm.runtime.pool import Adaptive
 
     set_to = []
     chooser = Adaptive(4, set_to.append)
@@ -164,7 +164,7 @@ def test_other_load_counts_the_cores_other_processes_keep_busy():
     import sys
     import time
 
-    from hla_tvm.pool import OtherLoad
+    from hla_tvm.runtime.pool import OtherLoad
 
     spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\n"
                              "while time.time() < end: pass"])

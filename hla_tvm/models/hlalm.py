@@ -104,7 +104,7 @@ class HLALM(nn.Module):
     def save(self, path):
         """Config, weights and their digest (`weights_digest`) in torch's weights-only format
         (nothing arbitrary is pickled)."""
-        from ..paths import replacing
+        from ..runtime.paths import replacing
 
         weights = self.state_dict()
         with replacing(path) as f:   # (whole or not at all: `paths.replacing`)

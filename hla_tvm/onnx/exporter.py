@@ -22,7 +22,7 @@ import warnings
 import onnx
 import torch
 
-from ..paths import replacing
+from ..runtime.paths import replacing
 from . import function, schema
 
 FORMAT = "hla_tvm.onnx/1"

@@ -37,7 +37,7 @@ def target_folder(target):
 
 def user_root():
     """~/.cache/hla_tvm/schedules (under $HLA_TVM_CACHE_DIR when set)."""
-    from .. import cache
+    from ..runtime import cache
 
     return os.path.join(cache.root(), cache.RECORDS)
 

@@ -180,7 +180,7 @@ def _spec(x):
 def _host_launches(func, target):
     """(CUDA source, [(kernel name, [argument index], dims)]) of the scheduled, specialized
     `func` compiled for `target`: the launches its host function makes, in order."""
-    from ...device_code import cuda_source
+    from ...runtime.device_code import cuda_source
     from ..common import walk
     from .limits import split_host_device
 
@@ -238,12 +238,12 @@ def translate(source):
 
 def _compile(cpp):
     """The loaded shared library of C++ source `cpp` (built once per source, cached)."""
-    from ... import cache
+    from ...runtime import cache
 
     folder = cache.folder("emulator")
     path = os.path.join(folder, hashlib.sha256(cpp.encode()).hexdigest()[:24] + ".so")
     if not os.path.exists(path):
-        from ...paths import replacing_path
+        from ...runtime.paths import replacing_path
 
         with tempfile.TemporaryDirectory() as tmp, \
                 replacing_path(path, suffix=".so", executable=True) as tmp_lib:

@@ -1,18 +1,15 @@
-"""Loading and driving a compiled HLA model with the TVM runtime alone.
-
-    m = hla_tvm.runtime.load("model.so")
-    state = m.init_state(batch)
-    logits, state = m.prefill(tokens [B, T], state)      # numpy or torch arrays in, numpy out
-    logits, state = m.decode(tokens [B], state)
+"""A compiled model driven by the TVM runtime alone: `load` gives a `CompiledModel` with
+`init_state`, `prefill`, `decode` and the state's copy, save and load; `read_meta` describes a
+module from its library's note without loading it.
 
 This module imports neither torch nor TVM's compiler library: unless TVM is already imported, it
-sets TVM_USE_RUNTIME_LIB=1 and keeps tvm_ffi's optional `import torch` from loading torch.
-The state is a list of numpy arrays on a CPU (views of the module's tensors: no copies), of the
-module's device tensors on a GPU, advanced in place by the compiled kernels: the list passed to
-prefill/decode is consumed; use `copy_state` to branch a sequence, `save_state`/`load_state` to
-keep one. A state of your own (numpy arrays or torch tensors of the layout `state_spec` gives)
-is checked and copied in. One loaded model may serve several threads at once (each runs its own
-sequences)."""
+sets TVM_USE_RUNTIME_LIB=1 and keeps tvm_ffi's optional `import torch` from loading torch
+(`pool.import_tvm_runtime`). The state is a list of numpy arrays on a CPU (views of the
+module's tensors: no copies), of the module's device tensors on a GPU, advanced in place by the
+compiled kernels: the list passed to prefill/decode is consumed; use `copy_state` to branch a
+sequence, `save_state`/`load_state` to keep one. A state of your own (numpy arrays or torch
+tensors of the layout `state_spec` gives) is checked and copied in. One loaded model may serve
+several threads at once (each runs its own sequences)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +22,7 @@ import zipfile
 import numpy as np
 
 from . import libfile
-from .pool import Adaptive, env_threads, physical_cores, set_threads  # noqa: F401
+from .pool import Adaptive, env_threads, set_threads
 from .pool import import_tvm_runtime as _import_tvm_runtime
 
 MODULE_FORMAT = "hla_tvm.module/1"

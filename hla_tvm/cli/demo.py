@@ -14,7 +14,11 @@ import sys
 import threading
 import time
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib-hla2.pt")
+from ..runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
+from .args import positive
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # hla_tvm/
+SHIPPED = os.path.join(PACKAGE, "data", "stdlib-hla2.pt")
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
 TOL = 1e-3
 
@@ -53,7 +57,7 @@ def progress_line(message, stream=None):
 
 def _source_digest():
     """sha256 of every .py file of the package (what decides a compiled model's code)."""
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = PACKAGE
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
@@ -71,13 +75,11 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
     TVM version); a damaged cached file is compiled again."""
     import tvm
 
-    from . import libfile
-    from . import cache
-    from .compiler import compile as compile_model
-    from .compiler import records_folder
-    from .models.hlalm import weights_digest
-    from .runtime import MODULE_FORMAT
-    from .schedule import records
+    from ..compiler import compile as compile_model
+    from ..compiler import records_folder
+    from ..models.hlalm import weights_digest
+    from ..runtime import MODULE_FORMAT, cache, libfile
+    from ..schedule import records
 
     rec = records_folder(schedules, target)
     key = hashlib.sha256("\n".join([
@@ -103,12 +105,17 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     import numpy as np
     import torch
 
-    from .generate import Eager, check_sampling, encode_text, generate, text_decoder
-    from .models import HLALM
-    from .runtime import load
-    from .target import is_host_arch, resolve, target_arch
-
-    from .generate import sampling
+    from ..models import HLALM
+    from ..runtime import load
+    from ..runtime.generate import (
+        Eager,
+        check_sampling,
+        encode_text,
+        generate,
+        sampling,
+        text_decoder,
+    )
+    from ..target import is_host_arch, resolve, target_arch
 
     temperature, top_k = sampling(True, temperature, top_k)
     check_sampling(temperature, top_k, seed)
@@ -142,7 +149,7 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     print(decode([], final=True) + "\n" + "-" * 72)
     # the same bytes through both: decode speed and logits, step by step
     seq = ids + out[:-1]
-    from .pool import OtherLoad
+    from ..runtime.pool import OtherLoad
 
     with OtherLoad() as load:
         compiled = _teacher_forced(m, seq, len(ids))
@@ -195,3 +202,34 @@ def _teacher_forced(model, seq, n_prompt):
         outs.append(np.asarray(logits)[0].copy())
     return {"prefill_s": prefill_s, "decode_s": time.perf_counter() - t0,
             "steps": len(seq) - n_prompt, "logits": outs}
+
+
+# --- the command ------------------------------------------------------------------
+
+DESCRIPTION = ("Compile the shipped model (a second-order HLALM trained on "
+               "Python's standard library with `hla-tvm train`) for this CPU with "
+               "the tuned records (cached after the first run), stream a "
+               "continuation of the prompt as the compiled module decodes it, then "
+               "print decode tokens/s of the compiled module beside the same model "
+               "in PyTorch eager mode and the largest logit difference between "
+               "them (exit code 1 when it exceeds 1e-3 of the largest logit).")
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    p.add_argument("--tokens", type=positive, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=TEXT_TEMPERATURE,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=TEXT_TOP_K,
+                   help="sample from the k most likely bytes (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    p.add_argument("--target", default="llvm",
+                   help='"llvm" for this CPU, or an llvm target as JSON (as for compile)')
+
+
+def main(args):
+    from ..target import parse
+
+    return run(prompt=args.prompt, tokens=args.tokens, temperature=args.temperature,
+               top_k=args.top_k, seed=args.seed, target=parse(args.target))

@@ -25,6 +25,9 @@ import time
 
 import torch
 
+from .args import decay as decay_factor
+from .args import positive
+
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 
 
@@ -76,7 +79,7 @@ def _measure_rounds(cases, runs, number=1, probe=None, busy=None):
 
 def machine():
     """{cpu, cores, isa} of this machine."""
-    from .runtime import physical_cores
+    from ..runtime import physical_cores
 
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
@@ -109,9 +112,9 @@ def _repeat_kv(x, heads):
 
 def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
     """{name: fn} of one decode step each, from the state after 16 prompt tokens."""
-    from . import decode_, hla
-    from .fast.step import STEPS
-    from .operators import get
+    from .. import decode_, hla
+    from ..fast.step import STEPS
+    from ..operators import get
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, 17, dk, dv, kv_heads)
@@ -151,8 +154,8 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
 
 def _tuned_records():
     """True when `hla-tvm tune` wrote records for this machine (schedules="auto" finds them)."""
-    from .schedule import records
-    from .target import resolve
+    from ..schedule import records
+    from ..target import resolve
 
     return records.find("auto", resolve(None))[0] is not None
 
@@ -166,8 +169,8 @@ def hla2_prefill_flops(B, H, T, dk, dv, n):
 
 
 def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=None):
-    from . import hla
-    from .fast.chunk import CHUNKED
+    from .. import hla
+    from ..fast.chunk import CHUNKED
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, seq, dk, dv, kv_heads)
@@ -195,8 +198,8 @@ def _onnxruntime_case(q, k, v, op, decay):
     a Scan over the tokens), or None where onnxruntime is not installed."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
-    from .onnx.function import one_node_model
-    from .onnx.ort_session import session
+    from ..onnx.function import one_node_model
+    from ..onnx.ort_session import session
 
     kw = {"order": 3} if op == "hla3" else {"asymmetric": True} if op == "ahla" else {}
     feeds = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy()}
@@ -240,7 +243,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     dv = dv or dk
     kv_heads = kv_heads or heads
     if json_path:
-        from . import validate
+        from .. import validate
 
         json_path = validate.output_path("json_path", json_path)
     if heads % kv_heads:
@@ -260,7 +263,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         peaks[name] = peak_rss_growth(fn)
 
     busy = {}
-    from .pool import OtherLoad
+    from ..runtime.pool import OtherLoad
 
     with OtherLoad() as load:
         times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None,
@@ -282,7 +285,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
               "other_load_cores": load.cores, **extra}
     _table(report, out)
     if json_path:
-        from .paths import replacing
+        from ..runtime.paths import replacing
 
         with replacing(json_path, "w") as f:
             json.dump(report, f, indent=1)
@@ -295,7 +298,7 @@ def _fmt(seconds):
 
 
 def _table(report, out):
-    from .pool import OtherLoad
+    from ..runtime.pool import OtherLoad
 
     s, m, res = report["shape"], report["machine"], report["results"]
     what = s["op"] if s["decay"] is None else f"{s['op']} decay {s['decay']}"
@@ -332,3 +335,48 @@ def _table(report, out):
     out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +
         ("; peak mem: growth of the resident set over one call)" if peak else ")"))
 
+
+# --- the command ------------------------------------------------------------------
+
+DESCRIPTION = ("Time one decode step or a prefill of T tokens in one process: "
+               "decode: tvm (decode_), tvm_hla (hla, which copies the state), "
+               "torch (in-place PyTorch step), torch_compile, state_copy (copying "
+               "the state once, the floor); prefill: tvm, torch (the chunk form "
+               "with every chunk at once), torch_compile, torch_sdpa (causal "
+               "softmax), onnxruntime (one exported hla_tvm::HLA node, where "
+               "onnxruntime is installed), and this machine's sgemm rate. The "
+               "cases are timed in rounds (each once per round), so a noisy "
+               "machine's slow spells fall on all of them, each run starting once the "
+               "threads of the case before are idle. With "
+               "--kv-heads the PyTorch forms repeat k, v for each group.")
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
+                   help="what to time")
+    p.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
+                   help="operator: second order, asymmetric (AHLA) or third order")
+    p.add_argument("--batch", type=positive, default=1, help="batch size B")
+    p.add_argument("--heads", type=positive, default=8, help="heads H")
+    p.add_argument("--kv-heads", type=positive, default=None,
+                   help="key/value heads Hkv, dividing H (grouped heads; default: H)")
+    p.add_argument("--seq", "--length", dest="seq", type=positive, default=8192,
+                   help="prefill length T")
+    p.add_argument("--dk", "--head-dim", dest="dk", type=positive, default=64,
+                   help="key/query head size")
+    p.add_argument("--dv", type=positive, default=None, help="value head size (default: dk)")
+    p.add_argument("--decay", type=decay_factor, default=None, help="decay factor in (0, 1]")
+    p.add_argument("--chunk-size", type=positive, default=64,
+                   help="chunk size of the chunked prefill")
+    p.add_argument("--repeat", type=positive, default=5,
+                   help="timed runs per case (median and min reported)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results as JSON")
+
+
+def main(args):
+    run(mode=args.mode, batch=args.batch, heads=args.heads, seq=args.seq, dk=args.dk,
+        dv=args.dv, op=args.op, decay=args.decay, chunk_size=args.chunk_size,
+        repeat=args.repeat, json_path=args.json, kv_heads=args.kv_heads)
+    return 0

@@ -1,0 +1,70 @@
+"""`hla-tvm cache`: the cache folder by kind, and clearing the package's own files
+(`runtime.cache`)."""
+from __future__ import annotations
+
+import os
+
+DESCRIPTION = ("List the cache folder ($HLA_TVM_CACHE_DIR, else "
+               "~/.cache/hla_tvm) by kind, or --clear it. --clear removes only "
+               "the files the package put there (compiled kernels and models, "
+               "device code, downloaded runtimes), never another file in the "
+               "folder, and keeps the tuned records of `hla-tvm tune` (minutes to "
+               "hours of work) unless --records is given too.")
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("--clear", action="store_true",
+                   help="delete the cached compiled files (not the tuned records)")
+    p.add_argument("--records", action="store_true",
+                   help="with --clear: delete the tuned records under schedules/ too")
+
+
+_CACHE_KINDS = {"kernels": "compiled kernel modules", "models": "the demo's compiled models",
+                "device": "CUDA device code", "emulator": "emulated CUDA kernels",
+                "runtime": "TVM runtimes of other architectures",
+                "records": "tuned records (hla-tvm tune)"}
+
+
+def main(args):
+    from ..runtime import cache
+
+    path = cache.root()
+    if args.records and not args.clear:
+        raise ValueError("--records goes with --clear (the listing shows the records)")
+    if args.clear:
+        removed = cache.clear(records=args.records)
+        kinds = {}
+        for p, kind in removed:
+            kinds[kind] = kinds.get(kind, 0) + 1
+        what = ", ".join(f"{n} {_CACHE_KINDS[k]}" for k, n in kinds.items()) or "nothing"
+        print(f"removed from {path}: {what}")
+        kept = [p for p, _ in cache.entries(records=True) if _ == "records"]
+        if kept:
+            print(f"kept the tuned records in {os.path.join(path, cache.RECORDS)} "
+                  f"({', '.join(os.path.basename(p) for p in kept)}): --clear --records "
+                  "removes them too")
+        left = cache.others(records=True)
+        if left:
+            print(f"left {len(left)} file(s) that are not the cache's alone, e.g. {left[0]}")
+        return 0
+    found = cache.entries(records=True)
+    if not found:
+        print(f"{path}: empty (kernels are compiled and cached on first use)")
+        return 0
+    print(path)
+    for kind, label in _CACHE_KINDS.items():
+        mine = [p for p, k in found if k == kind]
+        if mine:
+            print(f"  {label}: {len(mine)}, {sum(cache.size(p) for p in mine) / 1e6:.1f} MB")
+            for p in mine[:20]:
+                print(f"    {os.path.relpath(p, path)}{'/' if os.path.isdir(p) else ''}  "
+                      f"{cache.size(p) / 1e3:.0f} kB")
+            if len(mine) > 20:
+                print(f"    ... {len(mine) - 20} more")
+    left = cache.others(records=True)
+    if left:
+        print(f"  not the cache's ({len(left)}; --clear leaves them): "
+              + ", ".join(os.path.relpath(p, path) for p in left[:5])
+              + (" ..." if len(left) > 5 else ""))
+    return 0

@@ -1,0 +1,70 @@
+"""`hla-tvm compile`: a checkpoint or an ONNX model to a deployable module."""
+from __future__ import annotations
+
+import os
+
+from .args import describe_target, positive
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("checkpoint", help="a checkpoint written by HLALM.save, or a .onnx file with "
+                                      "hla_tvm::HLA nodes")
+    p.add_argument("-o", "--output", default="model.so", help="output library")
+    p.add_argument("--target", default="llvm",
+                   help='"llvm" for this CPU, a preset (x86-64, aarch64, cuda), a TVM target '
+                        'as JSON, e.g. \'{"kind": "llvm", "mcpu": "znver4"}\', or a target '
+                        'string TVM parses')
+    p.add_argument("--arch", default=None, metavar="sm_XY",
+                   help="with --target cuda: the GPU architecture (sm_80 A100, sm_86, sm_89, "
+                        "sm_90 H100/H200; default sm_80)")
+    p.add_argument("--max-batch", type=positive, default=None,
+                   help="upper bound of the batch size (lets TVM plan memory statically; "
+                        "larger batches are refused at run time)")
+    p.add_argument("--schedules", default="auto", metavar="auto|default|DIR",
+                   help="auto: tuned records for the target where they exist (the user's from "
+                        "`hla-tvm tune`, else the shipped ones), the default schedules for the "
+                        "other kernels; default: no records; DIR: that records folder")
+
+def main(args):
+    from ..compiler import resolve_model_target
+    from ..target import parse
+
+    target = parse(args.target)
+    if args.arch is not None:
+        kind = target.get("kind") if isinstance(target, dict) else target
+        if kind != "cuda":
+            raise ValueError(f"--arch {args.arch} applies to CUDA targets: give --target cuda")
+        target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}
+    tgt = resolve_model_target(target)   # a bad target fails before any model work
+    from .. import validate
+
+    validate.output_path("-o", args.output)   # and a bad output path
+    validate.not_an_input("-o", args.output, args.checkpoint)
+    if args.checkpoint.endswith(".onnx"):
+        from ..onnx import compile as compile_onnx
+
+        if args.max_batch is not None:
+            raise ValueError("--max-batch applies to checkpoints, not ONNX models")
+        print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
+              f"{describe_target(tgt)} ...", flush=True)
+        out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
+                           schedules=args.schedules)
+    else:
+        from ..compiler import compile as compile_model
+        from ..models import HLALM
+
+        model = HLALM.load(args.checkpoint)
+        print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
+              f"parameters) for {describe_target(tgt)} ...", flush=True)
+        out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
+                            schedules=args.schedules)
+    print(f"wrote {out} (hla-tvm run {out} --info describes it)")
+    if tgt.kind.name == "cuda":
+        from ..runtime.device_code import folder_beside
+
+        shipped = folder_beside(out)
+        print(f"wrote its device code to {shipped}/ (keep it beside the module)"
+              if os.path.isdir(shipped) else "no nvcc here: the GPU machine builds the device "
+              "code when it loads the module (it needs nvcc there)")
+    return 0

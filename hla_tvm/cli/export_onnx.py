@@ -1,0 +1,36 @@
+"""`hla-tvm export-onnx`: a checkpoint to ONNX with `hla_tvm::HLA` nodes and their function
+bodies."""
+from __future__ import annotations
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
+    p.add_argument("-o", "--output", default="model.onnx", help="output file")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--decode", action="store_true",
+                       help="export the one-token decode step (tokens [B] and state in, logits "
+                            "[B, vocab] and state out) instead of the prefill graph")
+    which.add_argument("--from-state", action="store_true",
+                   help="the prefill graph also takes the state to continue from (by default "
+                        "it starts a fresh sequence from the tokens alone)")
+
+
+def main(args):
+    from .. import validate
+    from ..models import HLALM
+    from ..onnx import export
+
+    validate.output_path("-o", args.output)
+    validate.not_an_input("-o", args.output, args.checkpoint)
+    model = HLALM.load(args.checkpoint)
+    entry = "decode step" if args.decode else "prefill from a given state" if args.from_state \
+        else "prefill"
+    print(f"exporting {args.checkpoint} ({entry}) to ONNX ...", flush=True)
+    proto = export(model, args.output, decode=args.decode, from_state=args.from_state)
+    n = sum(1 for node in proto.graph.node if node.domain == "hla_tvm")
+    bodies = len(proto.functions)
+    print(f"wrote {args.output}: {len(proto.graph.node)} nodes, {n} hla_tvm::HLA, "
+          f"{bodies} function bod{'y' if bodies == 1 else 'ies'} (opset "
+          f"{proto.opset_import[0].version})")
+    return 0

@@ -1,0 +1,165 @@
+"""`hla-tvm run`: generation with a compiled module and the TVM runtime alone; `--info`
+describes a module without loading it."""
+from __future__ import annotations
+
+import sys
+
+from .args import positive
+
+DESCRIPTION = ("Prefill a prompt, then decode token by token: text prompts "
+               "sampled (--temperature 0.9 --top-k 40 unless given) with a seeded "
+               "generator, so the same --seed gives the same text; --prompt-ids "
+               "greedy unless --temperature is given. Byte-level models (`hla-tvm "
+               "train`, the demo's) take --prompt TEXT and stream text; others "
+               "take --prompt-ids and print ids.")
+
+
+def add_arguments(p):
+    """The command's options."""
+    p.add_argument("module", help="a library written by `hla-tvm compile`")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="prompt text (byte-level models)")
+    p.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="prompt text read from FILE (UTF-8; - for standard input), for prompts "
+                        "too long for the command line; echoed by its last 2000 characters "
+                        "when longer")
+    p.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--info", action="store_true",
+                   help="print the module's metadata (model, device, state layout, which "
+                        "kernels use tuned records) and exit; read from the library without "
+                        "loading it, so modules compiled for a GPU or another CPU are described "
+                        "here too")
+    p.add_argument("--tokens", "--steps", dest="tokens", type=positive, default=16,
+                   help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (0: greedy; default: 0.9 for --prompt TEXT, as "
+                        "the demo samples, 0 for --prompt-ids)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k most likely tokens (0: all; default: 40 for "
+                        "--prompt TEXT, else 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="CPU threads for the kernels (default: $TVM_NUM_THREADS, else for each "
+                        "kind of call the count that runs it fastest at the time, up to one per "
+                        "physical core, chosen by timing the calls)")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                   help="where the module runs: cpu, or the GPU for a module compiled with "
+                        "--target cuda")
+
+
+def _prompt_ids(text):
+    try:
+        prompt = [int(x) for x in text.split(",")]
+    except ValueError:
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {shown!r}") from None
+    return prompt
+
+
+def _prompt_file(path):
+    """The text of --prompt-file `path` ("-": standard input), UTF-8."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeError as err:
+        raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({err.reason})") from None
+    except OSError as err:
+        raise ValueError(f"--prompt-file {path}: {err.strerror}") from None
+
+
+ECHO_CHARS = 2000
+
+
+def _module_info(path, meta):
+    """The metadata of a compiled module, a few lines for people."""
+    lines = [f"{path}: hla_tvm module, format {meta.get('format')}"]
+    cfg = meta.get("config") or {}
+    if cfg:
+        lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
+    from ..bundle import elf_machine
+
+    host = elf_machine(path)
+    lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
+                                "hla-tvm run --device cuda)" if meta.get("device") == "cuda"
+                                else f"an {host} CPU"))
+    lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
+                 f"max batch: {meta.get('max_batch') or 'any'}")
+    lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(
+        f"{n} {'x'.join(map(str, s))}" for n, s, _ in meta.get("state", [])[:4])
+        + (" ..." if len(meta.get("state", [])) > 4 else ""))
+    for key in ("weights_sha256", "onnx_sha256"):
+        if meta.get(key):
+            lines.append(f"{key}: {meta[key]}")
+    sched = meta.get("schedules")
+    if sched is None:
+        lines.append("schedules: default (compiled before tuned records were recorded)")
+    else:
+        where = sched.get("records") or "none (default schedules)"
+        lines.append(f"schedules for {sched.get('target')}: records {where}"
+                     + (f" (sha256 {sched['records_sha256']})" if sched.get("records_sha256")
+                        else ""))
+        for kind, label in (("from_records", "from records"), ("default", "default")):
+            names = sched.get(kind, [])
+            lines.append(f"  {label}: {len(names)} kernel(s)" +
+                         (": " + ", ".join(names) if names else ""))
+    return "\n".join(lines)
+
+
+def main(args):
+    from ..runtime import load, read_meta
+    from ..runtime.generate import encode_text, generate, text_decoder
+
+    if args.info:   # read from the library without loading it where it holds the metadata
+        meta = read_meta(args.module)
+        print(_module_info(args.module, meta))
+        return 0
+    given = [o for o, x in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                            ("--prompt-ids", args.prompt_ids)) if x is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3, "
+                         f"not {' and '.join(given)}")
+    if not given:
+        raise ValueError("give --prompt TEXT or --prompt-file FILE (byte-level models) or "
+                         "--prompt-ids 1,2,3 (or --info to describe the module)")
+    from ..runtime.generate import check_sampling
+
+    try:   # (before the prompt is echoed)
+        check_sampling(args.temperature or 0.0, args.top_k or 0, args.seed)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-')}") from None
+    if args.prompt_file is not None:
+        args.prompt = _prompt_file(args.prompt_file)
+        if not args.prompt:
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    try:
+        prompt = encode_text(args.prompt) if args.prompt is not None else \
+            _prompt_ids(args.prompt_ids)
+    except UnicodeError as err:
+        raise ValueError(f"--prompt is not valid text ({err.reason})") from None
+    m = load(args.module, args.device, threads=args.threads)
+    if args.prompt is not None and m.vocab != "bytes":
+        raise ValueError(f"{args.module}: {given[0]} needs a byte-level model (this one's "
+                         f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
+    if args.prompt is not None:
+        decode = text_decoder()
+        skipped = len(args.prompt) - ECHO_CHARS
+        sys.stdout.write(args.prompt if skipped <= 0 else
+                         f"[... {skipped} characters of the prompt ...]" + args.prompt[skipped:])
+        on_token = lambda tok: (sys.stdout.write(decode([tok])), sys.stdout.flush())  # noqa: E731
+    else:
+        on_token = None
+    from ..runtime.generate import sampling
+
+    temperature, top_k = sampling(args.prompt is not None, args.temperature, args.top_k)
+    tokens, info = generate(m, prompt, args.tokens, temperature=temperature,
+                            top_k=top_k, seed=args.seed, on_token=on_token)
+    print(decode([], final=True)) if args.prompt is not None else \
+        print(" ".join(map(str, tokens)))
+    rate = f"{info['decode_steps'] / info['decode_s']:.1f} tokens/s" \
+        if info["decode_steps"] and info["decode_s"] > 0 else "no decode steps (--tokens 1)"
+    print(f"prefill {len(prompt)} token{'' if len(prompt) == 1 else 's'}: "
+          f"{info['prefill_s'] * 1e3:.2f} ms; decode: {rate}",
+          file=sys.stderr)
+    return 0
