@@ -6,9 +6,9 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         the timed prefills' schedule variants), builds their device code with nvcc, and
         gathers the runtime: libtvm_runtime.so,
         libtvm_runtime_cuda.so and a cp312 apache-tvm-ffi wheel (pip downloads it once).
-    python benchmarks/gpu_check.py emulate [--only 'hla2d,float32,8;ahla'] [--arch sm_90]
+    python benchmarks/gpu_check.py emulate [--only 'hla2_decay,float32,8;ahla'] [--arch sm_90]
         (here, no GPU) the same checks with every CUDA kernel emulated on the CPU thread by
-        thread (`hla_tvm.schedule.cuda.emulator`), threads in forward and in reverse order.
+        thread (`hla_tvm.tools.cuda_emulator`), threads in forward and in reverse order.
     python benchmarks/gpu_check.py run [--bundle gpu_bundle] [--out DIR]
         (on the GPU machine: PyTorch with CUDA and apache-tvm-ffi; no TVM) runs the checks, each
         group of kernels in its own process (a kernel that faults or hangs fails its group
@@ -61,26 +61,26 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"   # pyproject's pin
-OPTS = {"hla2": dict(masked=True, ridge=0.0), "hla2d": dict(masked=True, ridge=0.0),
+OPTS = {"hla2": dict(masked=True, ridge=0.0), "hla2_decay": dict(masked=True, ridge=0.0),
         "ahla": {}, "hla3": {}}
-OPERATOR = {"hla2": "hla2", "hla2d": "hla2", "ahla": "ahla", "hla3": "hla3"}
+OPERATOR = {"hla2": "hla2", "hla2_decay": "hla2", "ahla": "ahla", "hla3": "hla3"}
 # (family, dtype, head size, group, normalize): one module of its prefill chain and one of its
-# decode chain (second order decodes with hla2d's kernel)
-CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2d", "ahla", "hla3")
+# decode chain (second order decodes with hla2_decay's kernel)
+CHECKS = [(fam, dtype, d, 1, False) for fam in ("hla2", "hla2_decay", "ahla", "hla3")
           for dtype in ("float32", "bfloat16") for d in (64, 128)] + [
-    ("hla2", "float32", 64, 1, True), ("hla2d", "float32", 64, 2, False),
+    ("hla2", "float32", 64, 1, True), ("hla2_decay", "float32", 64, 2, False),
     ("ahla", "bfloat16", 64, 2, True), ("hla3", "float32", 64, 2, False),
     # head size 8 with chunks of 16: the tiny model whose compiled CUDA prefill was wrong past
     # one chunk on the H200 (docs/cuda.md)
-    ("hla2", "float32", 8, 1, False), ("hla2d", "float32", 8, 1, False)]
-DECODE_TIMED = ("hla2d", "ahla", "hla3")   # B64 H32 D128 float32
+    ("hla2", "float32", 8, 1, False), ("hla2_decay", "float32", 8, 1, False)]
+DECODE_TIMED = ("hla2_decay", "ahla", "hla3")   # B64 H32 D128 float32
 # prefill chains (B1 H32 T D128 bfloat16) built with other schedules too (`cuda.schedule`'s
 # variant arguments; "chunk": another chunk size) and timed beside the default in the same
 # run: the schedule the H200 timed on 2026-12-04 (scans one block per (batch, head), one output
 # per thread, 128 threads), the register tiles on 128 threads, and chunks of 32 (less shared memory per
 # block: AHLA's and third order's kernels take up to 197 kB at 64, one block per
 # multiprocessor)
-PREFILL_VARIANTS = ("hla2d", "ahla", "hla3")
+PREFILL_VARIANTS = ("hla2_decay", "ahla", "hla3")
 VARIANTS = {"h200-timed": dict(lanes=False, tiles=(), chunk_threads=128),
             "tiles-128-threads": dict(chunk_threads=128),
             "chunk-32": dict(chunk=32)}
@@ -96,16 +96,16 @@ def entry_id(fam, phase, dtype, d, group=1, normalize=False):
 def entries(target, checks=CHECKS, timed=True):
     """[(entry id, chain, head size, group, chunk, kernel options)] of the modules `checks`
     run (a prefill and a decode each) and, with `timed`, the timed decodes; chunk: what the
-    prefill runs with on `target` (`backend.gpu_chunk`), None for decode."""
-    from hla_tvm import backend
-    from hla_tvm.kernels import chains
+    prefill runs with on `target` (`limits.gpu_chunk`), None for decode."""
+    from hla_tvm.ops import chains
+    from hla_tvm.schedule.rules.cuda import limits
 
     wanted = []
     for fam, dtype, d, group, normalize in checks:
         opts = dict(OPTS[fam], normalize=normalize, eps=1e-6, dtype=dtype)
         wanted.append((entry_id(fam, "prefill", dtype, d, group, normalize),
                        chains.prefill(fam), d, group, opts))
-        dfam = "hla2d" if fam == "hla2" else fam
+        dfam = "hla2_decay" if fam == "hla2" else fam
         dchain = chains.decode(dfam)
         wanted.append((entry_id(dfam, "decode", dtype, d, group, normalize), dchain, d, group,
                        dict(OPTS[dfam], normalize=normalize, eps=1e-6, dtype=dtype,
@@ -122,7 +122,7 @@ def entries(target, checks=CHECKS, timed=True):
     for eid, chain, d, group, opts in wanted:
         if eid not in seen:
             seen.add(eid)
-            chunk = None if chain.calls[0].kernel == "decode" else backend.gpu_chunk(
+            chunk = None if chain.calls[0].kernel == "decode" else limits.gpu_chunk(
                 chain, d, d, target, chunk=64 if d >= 32 else 16, group=group, **opts)
             out.append((eid, chain, d, group, chunk, opts))
     return out
@@ -132,10 +132,11 @@ def prepare(args):
     """Compile the check's modules for the GPU, build their device code, gather the runtime."""
     import tvm
 
-    from hla_tvm import backend
-    from hla_tvm.build import TUNED, compile_kernels
+    from hla_tvm.build import compile_kernels
     from hla_tvm.runtime.device_code import cuda_source, store
-    from hla_tvm.schedule import cuda
+    from hla_tvm.schedule import TUNED
+    from hla_tvm.schedule.rules import cuda
+    from hla_tvm.schedule.tuning import records
     from hla_tvm.target import resolve
 
     target = resolve({"kind": "cuda", "arch": args.arch})
@@ -161,7 +162,7 @@ def prepare(args):
             vid = eid if variant is None else f"{eid}@{variant}"
             path = os.path.join(bundle, "modules", vid + ".so")
             if not os.path.exists(path):   # (another entry's module may be this one)
-                kernels = backend.tuning_kernels(chain, d, d, chunk=vchunk, group=group, **opts)
+                kernels = records.tuning_kernels(chain, d, d, chunk=vchunk, group=group, **opts)
                 funcs = {name: f if variant is None else
                          cuda.schedule(f.with_attr("global_symbol", name), **how).with_attr(
                              TUNED, True) for name, (f, _) in kernels.items()}
@@ -207,7 +208,7 @@ def load_runtime(bundle):
     import ctypes
 
     import torch
-    import tvm_ffi   # first: loads libtvm_ffi.so, which TVM's runtime links to
+    import tvm_ffi  # first: loads libtvm_ffi.so, which TVM's runtime links to
 
     torch.cuda.init()
     rt = os.path.join(bundle, "runtime")
@@ -230,7 +231,7 @@ class Kernels:
         self._mods = {}
 
     def functions(self, eid):
-        from hla_tvm.kernels import chains
+        from hla_tvm.ops import chains
 
         e = self.manifest["entries"][eid]
         chain = (chains.decode if e["phase"] == "decode" else chains.prefill)(e["family"])
@@ -275,12 +276,12 @@ def check_entry(kern, fam, dtype_name, d, group, normalize, seed=0, device="cuda
     configuration with the float64 reference on the GPU."""
     import torch
 
-    from hla_tvm.kernels import REFERENCES
-    from hla_tvm.operators import OPERATORS
+    from hla_tvm.ops import OPERATORS
+    from hla_tvm.ops.chains import operator_of
 
     dtype = getattr(torch, dtype_name)
-    ref = REFERENCES[fam]
-    op = next(o for o in OPERATORS.values() if o.name == OPERATOR[fam])
+    ref = operator_of(fam).ref
+    op = OPERATORS[OPERATOR[fam]]
     B, H, T, T0 = 2, 4, 150, 37
     Hkv = H // group
     opts = dict(OPTS[fam], normalize=normalize, eps=1e-6)
@@ -314,7 +315,7 @@ def check_entry(kern, fam, dtype_name, d, group, normalize, seed=0, device="cuda
     rows.append({"entry": pid, "errors": errs, "floor": rel_err(o_ref.to(dtype), o_ref)})
     # decode: three tokens from the reference's state (every entry with the query heads; k, v
     # with the key/value heads)
-    did = entry_id("hla2d" if fam == "hla2" else fam, "decode", dtype_name, d, group, normalize)
+    did = entry_id("hla2_decay" if fam == "hla2" else fam, "decode", dtype_name, d, group, normalize)
     st = {n: x.float().contiguous() for n, x in st1.items()}
     rst = {n: x.clone() for n, x in st1.items()}
     errs, floor = {}, 0.0
@@ -371,7 +372,7 @@ def worker_checks(args):
 
 class EmulatedKernels:
     """The check's kernel chains under the default CUDA schedules for `target`, emulated on
-    the CPU thread by thread (`hla_tvm.schedule.cuda.emulator`; threads and blocks in the
+    the CPU thread by thread (`hla_tvm.tools.cuda_emulator`; threads and blocks in the
     order `self.mode` names, which may change between runs: the kernels are built once):
     `run` and `synchronize` as `Kernels` has them, on CPU tensors."""
 
@@ -387,7 +388,7 @@ class EmulatedKernels:
         import functools
 
         from hla_tvm import backend
-        from hla_tvm.schedule.cuda import emulator
+        from hla_tvm.tools import cuda_emulator as emulator
 
         chain, d, group, chunk, opts = self.entries[eid]
         if eid not in self._fns:
@@ -401,8 +402,8 @@ def emulate(args):
     """(here, no GPU) `run`'s checks with every CUDA kernel emulated on the CPU, once with the
     threads and blocks of each kernel in forward order and once in reverse (a result that
     depends on the order is a race); a table of the rows, exit status 1 when one fails."""
-    from hla_tvm.schedule.cuda import emulator
     from hla_tvm.target import resolve
+    from hla_tvm.tools import cuda_emulator as emulator
 
     target = resolve({"kind": "cuda", "arch": args.arch})
     checks = [c for c in CHECKS if args.only is None or
@@ -455,8 +456,7 @@ def copy_bandwidth(nbytes=2 << 30):
 def worker_timing(args):
     import torch
 
-    from hla_tvm.fast import step as fast_step
-    from hla_tvm.kernels import REFERENCES
+    from hla_tvm.ops.chains import operator_of
 
     kern = Kernels(args.bundle)
     rows = []
@@ -472,14 +472,13 @@ def worker_timing(args):
     emit({"bench": "copy", "GB/s": copy_bw / 1e9})
     # decode B64 H32 D128, float32 state, no decay
     B, H, d = 64, 32, 128
-    steps = {"hla2d": fast_step.hla2_step_, "ahla": fast_step.ahla_step_,
-             "hla3": fast_step.hla3_step_}
+    steps = {fam: operator_of(fam).fast.step_ for fam in ("hla2_decay", "ahla", "hla3")}
     for fam in DECODE_TIMED:
         if time.time() > args.deadline:
             break
         eid = entry_id(fam, "decode", "float32", d)
         e, chain, (fn,) = kern.functions(eid)
-        ref = REFERENCES[fam]
+        ref = operator_of(fam).ref
         st = ref.zero_state(B, H, d, d, torch.float32, "cuda")
         q, k, v = (torch.randn(B, H, 1, d, device="cuda") * 0.1 for _ in range(3))
         o = torch.empty(B, H, 1, d, device="cuda")
@@ -502,7 +501,7 @@ def worker_timing(args):
                 t_cpu_form = cuda_time(lambda: fn_cpu(*args_))
             row["cpu_kernel_ms"] = t_cpu_form * 1e3
             row["cpu_kernel_share_of_copy_bw"] = nbytes / t_cpu_form / copy_bw
-        if fam == "hla2d" or args.compile_all:
+        if fam == "hla2_decay" or args.compile_all:
             try:
                 t0 = time.time()
                 compiled = torch.compile(step)
@@ -538,15 +537,14 @@ def time_prefill(kern, fam, T, deadline, emit, decay=None):
     import torch.nn.functional as F
 
     from hla_tvm import backend
-    from hla_tvm.fast import chunk as fast_chunk
-    from hla_tvm.kernels import REFERENCES
+    from hla_tvm.ops.chains import operator_of
 
     B, H, d, dtype = 1, 32, 128, torch.bfloat16
     eid = entry_id(fam, "prefill", "bfloat16", d)
     e, chain, fns = kern.functions(eid)
     q, k, v = (x * 0.2 for x in _inputs(B, H, H, T, d, dtype, 1))
     out = torch.empty(B, H, T, d, dtype=dtype, device="cuda")
-    zero = REFERENCES[fam].zero_state(B, H, d, d, torch.float32, "cuda")
+    zero = operator_of(fam).ref.zero_state(B, H, d, d, torch.float32, "cuda")
     gamma = torch.full((H,), 1.0 if decay is None else decay, device="cuda")
 
     def tvm_prefill(eid=eid):
@@ -583,7 +581,7 @@ def time_prefill(kern, fam, T, deadline, emit, decay=None):
         except Exception as err:
             vrow["error"] = f"{type(err).__name__}: {err}"[:300]
         emit(dict(row))
-    form = fast_chunk.CHUNKED["hla2" if fam == "hla2d" else fam]
+    form = operator_of(fam).fast.chunked
     o64 = form(q.double(), k.double(), v.double(), chunk_size=64, decay=decay)[0]
     row["tvm_rel_err_vs_float64"] = rel_err(o_tvm, o64)
     row["bf16_rounding_floor"] = rel_err(o64.to(dtype), o64)
@@ -619,7 +617,7 @@ def api(args):
     import torch
 
     import hla_tvm
-    from hla_tvm.operators import OPERATORS
+    from hla_tvm import ops
 
     dev = torch.device(args.device)
     if dev.type == "cuda":
@@ -628,7 +626,7 @@ def api(args):
     cases = [(2, False, None, torch.float32, 1), (2, False, 0.95, torch.bfloat16, 2),
              (2, True, None, torch.float32, 2), (3, False, 0.95, torch.float32, 1)]
     for order, asym, decay, dtype, group in cases:
-        op = OPERATORS[(order, asym)]
+        op = ops.get(order, asym)
         name = f"{op.name} decay={decay} {str(dtype)[6:]} group={group}"
         t0 = time.time()
         try:
@@ -999,15 +997,15 @@ def main(argv=None):
                        "the CPU, threads in forward and reverse order")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--only", help="semicolon-separated prefixes of 'family,dtype,head size' "
-                   "(e.g. 'hla2d,float32,8;ahla')")
+                   "(e.g. 'hla2_decay,float32,8;ahla')")
     p = sub.add_parser("run", help="run the checks and timings on the GPU")
     p.add_argument("--bundle", default=os.path.join(ROOT, "gpu_bundle"))
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     p.add_argument("--check-seconds", type=float, default=180)
     p.add_argument("--timing-seconds", type=float, default=300)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d,ahla,hla3,hla2d:0.99",
-                   help="comma-separated kernel families whose prefill is timed (hla2d: second "
+    p.add_argument("--prefill-families", default="hla2_decay,ahla,hla3,hla2_decay:0.99",
+                   help="comma-separated kernel families whose prefill is timed (hla2_decay: second "
                    "order as hla() runs it on a GPU; hla2: its serial carry; ahla, hla3; no "
                    "decay), each beside its schedule variants (VARIANTS); FAMILY:G times it "
                    "with decay G beside the PyTorch forms with decay G (no variants)")
@@ -1039,7 +1037,7 @@ def main(argv=None):
     p.add_argument("--result", required=True)
     p.add_argument("--deadline", type=float, required=True)
     p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--prefill-families", default="hla2d,ahla,hla3,hla2d:0.99")
+    p.add_argument("--prefill-families", default="hla2_decay,ahla,hla3,hla2_decay:0.99")
     p.add_argument("--compile-all", action="store_true")
     args = ap.parse_args(argv)
     if hasattr(args, "bundle"):

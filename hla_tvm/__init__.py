@@ -2,7 +2,7 @@
 
 Attributes load lazily, so that `hla_tvm.runtime` (and `hla-tvm run`) work with the TVM runtime
 alone, without importing torch or TVM's compiler."""
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["hla", "decode_", "init_state", "compile", "__version__"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import validate
-from .operators import state_dtype
-from .reference._common import fold
+from .ops import state_dtype
+from .ops.common.reference import fold
 
 BACKENDS = ("tvm", "torch")
 
@@ -15,7 +15,7 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         backend="tvm", target=None, chunk_size=64, schedules="auto"):
     """Higher-order linear attention, causal, per head.
 
-    order=2 (HLA), with S, C, m, G, h the prefix summaries of `hla_tvm.reference.hla2`:
+    order=2 (HLA), with S, C, m, G, h the prefix summaries of `hla_tvm.ops.hla2.reference`:
         o_t = q_t^T ((S_t + ridge I) C_t - G_t)       = (((W W^T) * L) V)_t,  W = L * (Q K^T)
         o_t = q_t^T  (S_t + ridge I) C_t              with masked=False
     asymmetric=True (AHLA): ((A A) * L) V, A = L * (Q K^T)           (`reference.ahla`)
@@ -100,10 +100,10 @@ def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, 
     the decode kernels), on a private copy of the state; None when an argument needs the full
     checks of `hla` (which then explain it)."""
     from .backend import private_copy
-    from .decode import _plan
+    from .decode import decode_plan
 
     validate.chunk_size(chunk_size)
-    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+    plan = decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
     if mask is not None:
         if decay is not None:
@@ -151,7 +151,8 @@ def _tvm_not_yet(op, *, decay, device):
 
 
 def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
-    """The PyTorch forms: the chunk form with every chunk at once (`fast.chunk`), in float64
+    """The PyTorch forms: the chunk form with every chunk at once (the operator's
+    `fast.chunked`), in float64
     for float64 input and float32 otherwise. The
     serial recurrence runs instead where the chunk form cannot give the exact answer: padding
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
@@ -171,11 +172,9 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
             bool(torch.isfinite(x).all()) for x in (qw, kw, vw))):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
                        **opts)
-    else:   # every chunk at once (`fast.chunk`)
-        from .fast.chunk import CHUNKED
-
-        out, st = CHUNKED[op.name](qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st,
-                                   **opts)
+    else:   # every chunk at once
+        out, st = op.fast.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st,
+                                  **opts)
     return out.to(q.dtype), st
 
 
@@ -187,8 +186,8 @@ def _zero_padding(x, mask):
 
 def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
     from . import backend as tvm_backend
-    from .kernels import chains
-    from .reference._common import gamma
+    from .ops import chains
+    from .ops.common.reference import gamma
     from .target import for_device
 
     B, H, T, dk = q.shape
@@ -210,5 +209,5 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
                         gpu=tgt.kind.name == "cuda")
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc, device=q.device))[0].contiguous()
     out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=tgt,
-                              schedules=schedules, **tvm_backend.kernel_options(q.dtype, **opts))
+                              schedules=schedules, **chains.kernel_options(q.dtype, **opts))
     return out, st

@@ -13,13 +13,8 @@ import threading
 import torch
 
 from . import build
-from .kernels import chains
-from .operators import state_dtype
+from .ops import chains, state_dtype
 from .validate import ALIGN, aligned
-
-
-TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                torch.float64: "float64"}
 
 
 def private_copy(x, dtype, device=None):
@@ -43,18 +38,12 @@ def private_copy(x, dtype, device=None):
 SERIAL_COPY = 32768   # PyTorch's grain size: smaller copies do not use its threads
 
 
-def kernel_options(dtype, **opts):
-    """The options baked into a chain's kernels: the operator's (`Operator.options`) and the
-    inputs' dtype (a torch dtype)."""
-    return {**opts, "dtype": TORCH_DTYPES[dtype]}
-
-
 def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **opts):
     """The compiled module holding every kernel of `chain` (functions named by
     `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`.
     schedules: "auto", "default" or a records folder (`schedule.records`); kernels with a
     record use its schedule, the others the default one."""
-    from .schedule import records
+    from .schedule.tuning import records
 
     if target.kind.name == "cuda":
         opts = {**opts, **chains.gpu_options(chain)}
@@ -69,66 +58,12 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
         spec["records"] = digest
 
     def make():
-        kernels = tuning_kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
+        kernels = records.tuning_kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
         return records.pick(kernels, None if path is None else records.load(path), target,
                             where=f" in {path}")
 
     names = {chains.kernel_name(chain, call, dk, dv, group) for call in chain.calls}
     return build.load_or_build(spec, make, target, names=names)
-
-
-_FITS: dict = {}
-
-
-def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
-    """The chunk size `chain`'s kernels run with on a CUDA `target`: `chunk`, or the largest
-    half of it whose kernels fit the architecture's shared memory (`schedule.cuda.limits`;
-    the chunked form's outputs do not depend on the chunk size). Remembered per process."""
-    from .schedule import cuda
-    from .schedule.cuda.limits import check, fitting_chunk
-
-    key = (chain.family, dk, dv, str(target), chunk, group, tuple(sorted(opts.items())))
-    if key not in _FITS:
-        def fits(n):
-            try:
-                for name, (func, shapes) in tuning_kernels(chain, dk, dv, chunk=n, group=group,
-                                                           **opts).items():
-                    check(cuda.scheduled(func.with_attr("global_symbol", name)), shapes, target,
-                          name)
-            except ValueError:
-                return False
-            return True
-
-        _FITS[key] = fitting_chunk(fits, chunk)
-    return _FITS[key]
-
-
-def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
-    """`tuning_kernels` of operator `op`'s prefill and decode chains (an `operators.Operator`;
-    opts: its `options`, dtype a torch dtype)."""
-    from .validate import chunk_size
-
-    chunk = chunk_size(chunk, name="chunk", instead="a larger chunk's records could serve no "
-                       "call")
-    kw = kernel_options(dtype, **opts)
-    fam = chains.family(op.name, decayed=decayed, decode=False)
-    out = tuning_kernels(chains.prefill(fam), dk, dv, chunk=chunk, group=group, **kw)
-    fam = chains.family(op.name, decayed=decayed, decode=True)
-    out.update(tuning_kernels(chains.decode(fam), dk, dv, group=group, **kw))
-    return out
-
-
-def tuning_kernels(chain, dk, dv, *, chunk=None, group=1, dtype, **opts):
-    """{function name: (PrimFunc, argument shapes)} of `chain`'s kernels, the shapes those of a
-    call at the tuning shape (`schedule.records.chain_shapes`)."""
-    from .schedule.records import chain_shapes
-
-    funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, dtype=dtype, **opts)
-    out = {}
-    for call, shapes in chain_shapes(chain, dk, dv, chunk=chunk, group=group, dtype=dtype):
-        name = chains.kernel_name(chain, call, dk, dv, group)
-        out[name] = (funcs[name], shapes)
-    return out
 
 
 def functions(chain, mod, dk, dv, group=1):
@@ -333,13 +268,17 @@ def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto",
     reference's names, accumulation dtype, contiguous, owned by the caller; the operator's
     key/value-only entries with the key/value heads) is advanced in place past the T tokens.
     opts from `kernel_options`; schedules as for `module`. On a CUDA target the chunk is the
-    largest up to chunk_size whose tiles fit the GPU (`gpu_chunk`; outputs do not depend on it)."""
+    largest up to chunk_size whose tiles fit the GPU (`schedule.rules.cuda.limits.gpu_chunk`;
+    outputs do not depend on it)."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
     group = q.shape[1] // k.shape[1]
     if target.kind.name == "cuda":
-        chunk_size = gpu_chunk(chain, dk, dv, target, chunk=chunk_size, group=group, **opts)
+        from .schedule.rules.cuda import limits
+
+        chunk_size = limits.gpu_chunk(chain, dk, dv, target, chunk=chunk_size, group=group,
+                                      **opts)
     mod = module(chain, dk, dv, target, chunk=chunk_size, group=group, schedules=schedules,
                  **opts)
     fns = functions(chain, mod, dk, dv, group)

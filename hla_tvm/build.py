@@ -13,6 +13,8 @@ import warnings
 
 from .runtime import cache, libfile
 from .runtime.cache import root as cache_dir  # noqa: F401  (where the cache is: `cache`)
+from .runtime.pool import size_once
+from .schedule import TUNED, schedule_module  # noqa: F401  (TUNED: what marks a tuned kernel)
 
 _MEMORY: dict = {}
 _LOCK = threading.Lock()
@@ -27,7 +29,7 @@ def code_digest() -> str:
     if not _CODE_DIGEST:
         root = os.path.dirname(os.path.abspath(__file__))
         h = hashlib.sha256()
-        for sub in ("kernels", "schedule"):
+        for sub in ("ops", "schedule"):
             for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, sub))):
                 dirnames.sort()
                 for name in sorted(f for f in files if f.endswith(".py")):
@@ -42,36 +44,12 @@ def code_digest() -> str:
 def _key_blob(spec: dict, target) -> str:
     import tvm
 
-    from . import __version__
+    from .version import __version__
 
     # "sealed": entries carry the libfile trailer; older unsealed entries are simply not found
     return json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,
                        "code": code_digest(), "tvm": tvm.__version__, "cache": "sealed"},
                       sort_keys=True)
-
-
-TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tuned record
-
-
-def default_rules(target):
-    """The default schedule of an HLA kernel for the target's kind: `schedule.cpu.scheduled`
-    for llvm, `schedule.cuda.scheduled` for cuda (each takes (func, target))."""
-    from .schedule import cpu, cuda
-
-    rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)
-    if rules is None:
-        raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
-    return rules
-
-
-def schedule_module(mod, target):
-    """Apply `default_rules(target)` to every function of `mod` that is not scheduled from a
-    tuned record already."""
-    import tvm
-
-    rules = default_rules(target)
-    return tvm.IRModule({gv: mod[gv] if mod[gv].attrs and TUNED in mod[gv].attrs
-                         else rules(mod[gv], target) for gv in mod.get_global_vars()})
 
 
 def compile_kernels(funcs, target):
@@ -117,26 +95,12 @@ def load_or_build(spec: dict, make_funcs, target, names=()):
                     raise ValueError(f"it has no function {', '.join(lacks)}")
             except Exception as err:  # a truncated, corrupt or foreign file: rebuild it
                 warnings.warn(f"hla_tvm: rebuilding unreadable cached kernel {path}: {err}")
-        _size_thread_pool()
+        size_once()
         if mod is None:
             exe = compile_kernels(make_funcs(), target)
             mod = exe if path is None else _save(exe, path, tag)
         _MEMORY[fast] = mod
         return mod
-
-
-_POOL_SIZED = []
-
-
-def _size_thread_pool():
-    """Once per process, before the first kernel runs: one TVM worker per physical core
-    ($TVM_NUM_THREADS wins), as `hla_tvm.runtime.load` does. TVM's own default (half the
-    logical CPUs) left the operator 1.7x slower on a 2-core machine."""
-    if not _POOL_SIZED:
-        from .runtime.pool import set_threads
-
-        set_threads(None)
-        _POOL_SIZED.append(True)
 
 
 def _save(exe, path, tag):

@@ -32,6 +32,7 @@ from .runtime.libfile import elf_machine
 from .runtime.paths import replacing
 from .target import is_host_arch
 
+
 def export_sources():
     """The folder with the app sources (cpp/, python/): hla_tvm/_export in an installed wheel,
     export/ in a checkout."""

@@ -29,35 +29,43 @@ def flat_state_spec(model):
     return spec
 
 
-class _Prefill(nn.Module):
+class Prefill(nn.Module):
+    """forward(tokens [B, T], *flat state) -> (logits [B, T, vocab], *new flat state) of
+    `model` (an HLALM-like module; `layout`: each layer's state names): what the prefill entry
+    is exported from (here and by the ONNX exporter)."""
+
     def __init__(self, model, layout):
         super().__init__()
         self.model, self.layout = model, layout
 
     def forward(self, tokens, *flat):
-        logits, st = self.model(tokens, _unflatten(flat, self.layout))
-        return (logits, *_flatten(st))
+        logits, st = self.model(tokens, unflatten_state(flat, self.layout))
+        return (logits, *flatten_state(st))
 
 
-class _Fresh(_Prefill):
+class Fresh(Prefill):
     """forward(tokens) from a fresh sequence (no state in; the new state out)."""
 
     def forward(self, tokens):
         logits, st = self.model(tokens, None)
-        return (logits, *_flatten(st))
+        return (logits, *flatten_state(st))
 
 
-class _Decode(_Prefill):
+class Decode(Prefill):
+    """forward(tokens [B], *flat state) -> (logits [B, vocab], *new flat state): one token."""
+
     def forward(self, tokens, *flat):
-        logits, st = self.model(tokens[:, None], _unflatten(flat, self.layout))
-        return (logits[:, 0], *_flatten(st))
+        logits, st = self.model(tokens[:, None], unflatten_state(flat, self.layout))
+        return (logits[:, 0], *flatten_state(st))
 
 
-def _flatten(state):
+def flatten_state(state):
+    """A model's state (one dict per layer) as one list, in layer and state-name order."""
     return [x for layer in state for x in layer.values()]
 
 
-def _unflatten(flat, layout):
+def unflatten_state(flat, layout):
+    """The per-layer dicts of `flatten_state`'s list, for `layout` (each layer's names)."""
     out, i = [], 0
     for names in layout:
         out.append(dict(zip(names, flat[i:i + len(names)])))
@@ -78,16 +86,16 @@ def to_relax(model, *, max_batch=None, target=None):
     # upper bounds become Relax's static memory plan: only a batch bound when asked for
     batch = Dim("batch", min=1, max=max_batch) if max_batch else Dim("batch", min=1)
     seq = Dim("seq", min=2)
-    st2 = _flatten(model.init_state(2))
+    st2 = flatten_state(model.init_state(2))
     state_dims = tuple({0: batch} for _ in st2)
     mods = {}
     with torch.no_grad(), chunks_for(target):
         ep = torch.export.export(
-            _Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
+            Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
             dynamic_shapes=({0: batch, 1: seq}, state_dims))
         mods["prefill"] = import_exported(ep)
         ep = torch.export.export(
-            _Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
+            Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
             dynamic_shapes=({0: batch}, state_dims))
         mods["decode"] = import_exported(ep)
     return merge_entries(mods)
@@ -152,8 +160,8 @@ def lowering_pipeline(target):
             + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from .schedule.cpu.matmul_tiles import MatmulTiles
-    from .schedule.cpu.parallel_fallback import ParallelFallback
+    from .schedule.rules.cpu.matmul_tiles import MatmulTiles
+    from .schedule.rules.cpu.parallel_fallback import ParallelFallback
 
     return tvm.transform.Sequential(
         [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
@@ -166,7 +174,7 @@ def cpu_pipeline(target):
     default rules (`schedule.model.schedule_model`), then `lowering_pipeline`."""
     import tvm
 
-    from .schedule.model import schedule_model
+    from .schedule.tuning.model import schedule_model
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod, _ctx):
@@ -230,7 +238,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
 def records_folder(schedules, target):
     """The records folder schedules= names for `target` (None: the default schedules), checked
     before any model work."""
-    from .schedule import records
+    from .schedule.tuning import records
 
     path = records.resolve(schedules, target)
     if path is not None:
@@ -288,8 +296,8 @@ def executable(mod, meta, target, records_path=None):
     import tvm
 
     from .frontend.safe_take import token_rows
-    from .schedule import records
-    from .schedule.model import schedule_model
+    from .schedule.tuning import records
+    from .schedule.tuning.model import schedule_model
 
     if meta.get("vocab_size") is None:   # a model without a config: the runtime checks every
         # token id against the rows of the table the ids index, else the logits' width

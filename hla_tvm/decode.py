@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import torch
 
-from . import operators, validate
-from .operators import state_dtype
+from . import ops, validate
+from .ops import state_dtype
 from .validate import ALIGN, aligned
 
 _PLANS: dict = {}
@@ -41,7 +41,7 @@ def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2
                          f"{device!r} ({str(err).splitlines()[0]})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}: PyTorch sees no CUDA GPU here")
-    op = operators.get(order, asymmetric)
+    op = ops.get(order, asymmetric)
     shapes = op.state_shapes(batch, heads, kv_heads, head_dim, value_dim)
     return {n: torch.zeros(shapes[n], dtype=state_dtype(dtype), device=device)
             for n in op.state_names}
@@ -53,8 +53,8 @@ class _Plan:
     def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules):
         from . import backend
-        from .kernels import chains
-        from .reference._common import gamma
+        from .ops import chains
+        from .ops.common.reference import gamma
         from .target import for_device
 
         if not (q.dim() == k.dim() == v.dim()) and {q.dim(), k.dim(), v.dim()} <= {3, 4}:
@@ -82,7 +82,7 @@ class _Plan:
         opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
         chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
         mod = backend.module(chain, dk, dv, tgt, group=H // Hkv,
-                             schedules=schedules, **backend.kernel_options(q.dtype, **opts))
+                             schedules=schedules, **chains.kernel_options(q.dtype, **opts))
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc,
                                               device=q.device))[0].contiguous()
@@ -200,7 +200,7 @@ def _repeat_heads(x, group):
     return full
 
 
-def _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+def decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
           schedules="auto"):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -238,7 +238,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
     validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
-    plan = _plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
+    plan = decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
                  schedules)
     if plan.out_shape[0] == 0:   # an empty batch: nothing to advance
         plan.check_state(state)

@@ -9,7 +9,6 @@ import torch
 
 from .runtime.paths import not_an_input, output_path  # noqa: F401  (every entry point's checks)
 
-
 # The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
 # aligned vector instructions: a tensor that starts elsewhere (a view at an odd offset) is copied
 # on the way in (`aligned`), and a state or output updated in place is refused.
@@ -217,14 +216,14 @@ def attention_mask(mask, B, T):
 def operator_options(order, asymmetric, masked, normalize, eps, ridge, decay_arg, H, Hkv):
     """The checked options of one operator call: (op, eps, ridge, decay); the decay as `decay`
     returns it, and with grouped heads equal within each group (their key moment is shared)."""
-    from . import operators
+    from . import ops
 
     order = integer("order", order, choices={2, 3})
     for name, flag in (("asymmetric", asymmetric), ("masked", masked),
                        ("normalize", normalize)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    op = operators.get(order, asymmetric)
+    op = ops.get(order, asymmetric)
     eps = real("eps", eps, low=0.0)
     ridge = real("ridge", ridge, low=0.0)
     if not op.has_mask_ridge and (ridge or not masked):

@@ -2,6 +2,16 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """The fast subset: a test module marks itself slow whole (`pytestmark = pytest.mark.slow`)
+    or names the tests it keeps fast (`FAST`: test names, with their parameters where given);
+    its other tests are marked slow. Modules with neither are fast."""
+    for item in items:
+        fast = getattr(item.module, "FAST", None)
+        if fast is not None and item.name not in fast and item.originalname not in fast:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_cache(tmp_path_factory):
     """Compiled kernels go to a fresh folder for the test session, not the user's cache."""

@@ -3,6 +3,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 
 
 def _run_in_new_process(code, cache):

@@ -5,6 +5,21 @@ import pytest
 from hla_tvm.cli import main
 
 
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_help_lists_commands",
+    "test_expected_errors_are_one_line_with_exit_code_2",
+    "test_every_command_explains_its_flags",
+    "test_output_cut_short_by_a_pipe_is_not_an_error",
+    "test_version_and_module_entry_point",
+    "test_cache_lists_folder",
+    "test_cache_after_clear_says_empty",
+    "test_the_target_is_checked_before_any_model_work",
+    "test_debug_shows_the_traceback",
+    "test_run_refuses_non_positive_steps",
+    "test_unknown_options_are_named_by_the_command_and_a_file_is_no_cache",
+}
+
 def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

@@ -7,12 +7,21 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
 from conftest import rel_err
+
 from hla_tvm.cli import main
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_prefill_lengths_and_decode_match_pytorch[hla2-3]",
+    "test_wrong_state_is_refused",
+    "test_bad_targets_are_refused_before_export",
+    "test_scale_epilogue_keeps_values",
+    "test_torch_tensors_in[hla2]",
+}
 
 VOCAB = 40
 CONFIGS = {"hla2": dict(), "ahla": dict(asymmetric=True),

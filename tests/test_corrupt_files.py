@@ -13,15 +13,24 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
-from hla_tvm import build, hla
-from hla_tvm import onnx as hla_onnx
+
+from hla_tvm import build, hla, onnx as hla_onnx
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.models.hlalm import weights_digest
-from hla_tvm.reference import hla2
+from hla_tvm.ops.hla2 import reference as hla2
 from hla_tvm.runtime import load
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_bad_checkpoint_config_names_the_key",
+    "test_checkpoint_digest_catches_a_changed_weight",
+    "test_damaged_state_file_is_refused",
+    "test_state_file_with_nan_or_flat_entry_names_the_entry",
+    "test_damaged_compiled_module_is_refused_without_a_crash[flip]",
+    "test_module_metadata_reads_without_loading",
+}
 
 VOCAB = 40
 SEEDS = range(6)
@@ -98,8 +107,7 @@ def test_damaged_compiled_module_is_refused_without_a_crash(files, tmp_path, how
 
 
 def test_module_metadata_reads_without_loading(files, tmp_path):
-    from hla_tvm.runtime import libfile
-    from hla_tvm.runtime import read_meta
+    from hla_tvm.runtime import libfile, read_meta
 
     lib = files[1] / "model.so"
     assert read_meta(lib) == load(lib).meta   # the library's note: its own metadata

@@ -1,4 +1,4 @@
-"""The CUDA kernels run here without a GPU: `hla_tvm.schedule.cuda.emulator` compiles the CUDA
+"""The CUDA kernels run here without a GPU: `hla_tvm.tools.cuda_emulator` compiles the CUDA
 source TVM generates for the CPU and runs each thread block thread by thread, phase by phase.
 The chains are checked against the float64 reference by `benchmarks/gpu_check.py`'s own
 check (what a lent GPU runs), with the threads of every block in forward and reverse order."""
@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed"),
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed"),
               pytest.mark.xdist_group("cuda_emulated")]
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
@@ -41,15 +42,15 @@ def _check(target, config, modes):
 # normalized variants: `gpu_check.py emulate` (10 minutes). (Normalized at head size 8, the
 # float32 output of these inputs is ill-conditioned: the CPU kernels miss the float64
 # reference by 3.5e-4 too.)
-CONFIGS = [("hla2", "float32", 8, 1, False), ("hla2d", "float32", 8, 1, False),
+CONFIGS = [("hla2", "float32", 8, 1, False), ("hla2_decay", "float32", 8, 1, False),
            ("ahla", "float32", 8, 2, False), ("hla3", "float32", 8, 1, False),
-           ("hla2d", "float32", 32, 2, False), ("ahla", "bfloat16", 32, 1, False),
-           ("hla3", "float32", 32, 1, False), ("hla2d", "float32", 48, 1, False)]
+           ("hla2_decay", "float32", 32, 2, False), ("ahla", "bfloat16", 32, 1, False),
+           ("hla3", "float32", 32, 1, False), ("hla2_decay", "float32", 48, 1, False)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_emulated_chains_match_the_float64_reference(target, config):
-    from hla_tvm.schedule.cuda import emulator
+    from hla_tvm.tools import cuda_emulator as emulator
 
     _check(target, config, (emulator.FORWARD, emulator.REVERSE))
 
@@ -59,17 +60,17 @@ def test_the_masked_tail_of_a_register_tile_stays_in_its_block(target, monkeypat
     chunk, differing between runs): TVM wrote a register tile back from every thread of the
     stage's loop, the masked tail too, into the next block's elements. Without the mask
     (`thread_stages.mask_write_backs`) the emulated prefill is wrong; with it, right."""
-    from hla_tvm.schedule import cuda
-    from hla_tvm.schedule.cuda import emulator
+    from hla_tvm.schedule.rules import cuda
+    from hla_tvm.tools import cuda_emulator as emulator
 
     monkeypatch.setattr(cuda, "mask_write_backs", lambda func, tails: func)
     monkeypatch.setattr(cuda, "_SCHEDULED", type(cuda._SCHEDULED)())
     with pytest.raises(AssertionError):
-        _check(target, ("hla2d", "float32", 8, 1, False), (emulator.FORWARD,))
+        _check(target, ("hla2_decay", "float32", 8, 1, False), (emulator.FORWARD,))
 
 
 def test_the_emulator_reports_a_barrier_that_not_every_thread_reaches():
-    from hla_tvm.schedule.cuda import emulator
+    from hla_tvm.tools import cuda_emulator as emulator
 
     source = ('extern "C" __global__ void __launch_bounds__(64) k(float* __restrict__ x) {\n'
               '  if (threadIdx.x < 32) { __syncthreads(); }\n  x[threadIdx.x] = 1.0f;\n}\n')
@@ -91,7 +92,7 @@ def test_the_emulator_finds_a_missing_barrier():
     order the threads run in."""
     import ctypes
 
-    from hla_tvm.schedule.cuda import emulator
+    from hla_tvm.tools import cuda_emulator as emulator
 
     source = ('extern "C" __global__ void __launch_bounds__(32) k(float* __restrict__ x) {\n'
               '  extern __shared__ __align__(64) float s[];\n'

@@ -8,15 +8,18 @@ import re
 
 import pytest
 
-from hla_tvm import backend
-from hla_tvm.build import schedule_module
+from hla_tvm.ops import chains
 from hla_tvm.runtime.device_code import compile_cuda, cuda_source, nvcc
-from hla_tvm.kernels import chains
-from hla_tvm.schedule import cuda
-from hla_tvm.schedule.cuda.limits import check
+from hla_tvm.schedule import schedule_module
+from hla_tvm.schedule.rules import cuda
+from hla_tvm.schedule.rules.cuda import limits
+from hla_tvm.schedule.rules.cuda.limits import check
+from hla_tvm.schedule.tuning import records
 from hla_tvm.target import CUDA_SHARED_MEMORY, resolve
 
-FAMILIES = ("hla2", "hla2d", "ahla", "hla3")
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
+
+FAMILIES = ("hla2", "hla2_decay", "ahla", "hla3")
 
 
 def _opts(fam, dtype="float32", normalize=False):
@@ -28,7 +31,7 @@ def _opts(fam, dtype="float32", normalize=False):
 
 def _chains(fam):
     yield chains.prefill(fam)
-    if fam != "hla2":   # second order decodes with hla2d's kernel
+    if fam != "hla2":   # second order decodes with hla2_decay's kernel
         yield chains.decode(fam)
 
 
@@ -38,15 +41,15 @@ def test_every_kernel_fits_the_architecture(arch):
     for fam in FAMILIES:
         for chain in _chains(fam):
             if chain.calls[0].kernel == "decode":   # (as GPUs run it: `chains.gpu_options`)
-                for name, (func, shapes) in backend.tuning_kernels(
+                for name, (func, shapes) in records.tuning_kernels(
                         chain, 64, 64, **_opts(fam), **chains.gpu_options(chain)).items():
                     check(cuda.scheduled(func), shapes, target, name)
                 continue
             # every kernel of the chain is checked at the chunk size chosen
-            chunk = backend.gpu_chunk(chain, 64, 64, target, chunk=64, **_opts(fam))
+            chunk = limits.gpu_chunk(chain, 64, 64, target, chunk=64, **_opts(fam))
             assert chunk == 64 if arch == "sm_90" else chunk in (32, 64), (fam, chunk)
     # a chunk kernel keeps its tiles in shared memory: q, k, v and the products, within limits
-    func, shapes = backend.tuning_kernels(chains.prefill("hla2"), 64, 64, chunk=64,
+    func, shapes = records.tuning_kernels(chains.prefill("hla2"), 64, 64, chunk=64,
                                           **_opts("hla2"))["hla2_chunk_output"]
     used = check(cuda.scheduled(func), shapes, target)
     assert 3 * 64 * 64 * 4 <= used <= CUDA_SHARED_MEMORY[arch]
@@ -58,7 +61,7 @@ def test_scans_alone_run_one_element_per_thread():
     import tvm
     from tvm import s_tir
 
-    from hla_tvm.schedule.cuda.scan_lanes import scan_lanes
+    from hla_tvm.schedule.rules.cuda.scan_lanes import scan_lanes
 
     for fam in FAMILIES:
         for chain in _chains(fam):
@@ -74,7 +77,7 @@ def test_grouped_bfloat16_and_normalized_kernels_fit():
     for fam in ("hla2", "ahla"):
         for chain in _chains(fam):
             opts = _opts(fam, dtype="bfloat16", normalize=True)
-            for name, (func, shapes) in backend.tuning_kernels(
+            for name, (func, shapes) in records.tuning_kernels(
                     chain, 64, 64, chunk=None if chain.calls[0].kernel == "decode" else 32,
                     group=2, **opts).items():
                 check(cuda.scheduled(func), shapes, target, name)
@@ -82,7 +85,7 @@ def test_grouped_bfloat16_and_normalized_kernels_fit():
 
 def test_a_head_size_too_large_for_shared_memory_gets_a_smaller_chunk():
     target = resolve({"kind": "cuda", "arch": "sm_80"})
-    assert backend.gpu_chunk(chains.prefill("hla3"), 128, 128, target, chunk=64,
+    assert limits.gpu_chunk(chains.prefill("hla3"), 128, 128, target, chunk=64,
                              **_opts("hla3")) == 32
 
 
@@ -137,14 +140,14 @@ def test_every_kernel_runs_on_many_threads_and_in_place_kernels_are_told_apart()
     """A kernel on a handful of threads ran 280 times slower on an H200 (third order's cross
     kernel: an output written and read back was taken for an in-place update, and a 65-element
     stage then set the thread count to 1)."""
-    from hla_tvm.schedule.cuda.shared_scratch import hoist
-    from hla_tvm.schedule.cuda.stage_syncs import reads_back, updates_in_place
+    from hla_tvm.schedule.rules.cuda.shared_scratch import hoist
+    from hla_tvm.schedule.rules.cuda.stage_syncs import reads_back, updates_in_place
 
     in_place = set()
     for fam in FAMILIES:
         for chain in _chains(fam):
             chunk = None if chain.calls[0].kernel == "decode" else 64
-            for name, (func, _) in backend.tuning_kernels(chain, 128, 128, chunk=chunk,
+            for name, (func, _) in records.tuning_kernels(chain, 128, 128, chunk=chunk,
                                                           **_opts(fam)).items():
                 assert _threads(cuda.scheduled(func)) >= 64, name
                 plain = hoist(func.with_attr("global_symbol", "main"))
@@ -152,7 +155,7 @@ def test_every_kernel_runs_on_many_threads_and_in_place_kernels_are_told_apart()
                     in_place.add(name)
                     assert reads_back(plain), name
     assert "hla3_chunk_cross" not in in_place   # its outputs are read back, not updated
-    assert {"hla2_chunk_carry", "hla2d_decode", "chunk_psum_w16384"} <= in_place
+    assert {"hla2_chunk_carry", "hla2_decay_decode", "chunk_psum_w16384"} <= in_place
 
 
 def test_chains_and_backend_import_without_tvm():
@@ -162,7 +165,7 @@ def test_chains_and_backend_import_without_tvm():
     import sys
 
     code = ("import sys; sys.modules['tvm'] = None\n"
-            "from hla_tvm import backend\nfrom hla_tvm.kernels import chains\n"
+            "from hla_tvm import backend\nfrom hla_tvm.ops import chains\n"
             "c = chains.prefill('hla3')\n"
             "assert chains.argument_shapes(c, 1, 2, 2, 70, 8, 8, 32, 'bfloat16')\n"
             "print(chains.kernel_name(c, c.calls[-1], 8, 8))\n")
@@ -301,7 +304,7 @@ def test_the_test_model_compiles_for_sm80_and_sm90(gpu_model, monkeypatch, capsy
     from hla_tvm.runtime import load
 
     model, tmp_path = gpu_model
-    chain = chains.prefill("hla2d")
+    chain = chains.prefill("hla2_decay")
     for arch in ("sm_80", "sm_90"):
         tgt = resolve({"kind": "cuda", "arch": arch})
         relax_mod = compiler.to_relax(model, target=tgt)
@@ -309,7 +312,7 @@ def test_the_test_model_compiles_for_sm80_and_sm90(gpu_model, monkeypatch, capsy
                       if gv.name_hint in ("prefill", "decode")) == ["decode", "prefill"]
         exe, _ = compiler.executable(relax_mod, {}, tgt)
         source = cuda_source(exe)
-        kernels = ["hla2d_decode"] + [chains.kernel_name(chain, c, 8, 8) for c in chain.calls]
+        kernels = ["hla2_decay_decode"] + [chains.kernel_name(chain, c, 8, 8) for c in chain.calls]
         names = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(",
                                source))
         for name in kernels:   # (their names carry the options baked in)
@@ -457,18 +460,18 @@ def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
 
 
 def test_second_order_prefills_through_the_scan_chain_on_gpus():
-    """Undecayed second order on a GPU runs hla2d's chain (gamma = 1: one thread block per
+    """Undecayed second order on a GPU runs hla2_decay's chain (gamma = 1: one thread block per
     chunk) rather than hla2's carry (one per head), in hla() and in compiled models."""
     import torch
 
     from hla_tvm import compiler
     from hla_tvm.models import HLALM
 
-    assert chains.family("hla2", decayed=False, decode=False, gpu=True) == "hla2d"
+    assert chains.family("hla2", decayed=False, decode=False, gpu=True) == "hla2_decay"
     assert chains.family("hla2", decayed=False, decode=False) == "hla2"
     torch.manual_seed(0)
     model = HLALM(40, 32, 1, 4, chunk_size=16)
     names = {gv.name_hint for gv in compiler.to_relax(
         model, target=resolve({"kind": "cuda", "arch": "sm_90"})).get_global_vars()}
-    assert any(n.startswith("hla2d_chunk_output") for n in names), names
+    assert any(n.startswith("hla2_decay_chunk_output") for n in names), names
     assert not any(n.startswith("hla2_chunk_carry") for n in names), names

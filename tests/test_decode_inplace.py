@@ -2,10 +2,19 @@
 half precision), against float64 serial recurrences; its argument checks; `init_state`."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import decode_, hla, init_state
-from hla_tvm.reference import ahla, hla2, hla3
+from hla_tvm.ops.ahla import reference as ahla
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.ops.hla3 import reference as hla3
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_decode_inplace_matches_serial[hla2-0.9-True-3-float32]",
+    "test_decode_inplace_matches_serial[ahla-per-head-False-1-float32]",
+    "test_decode_inplace_matches_serial[hla3-None-True-1-float32]",
+}
 
 OPS = {"hla2": (hla2, dict()), "hla2_unmasked_ridge": (hla2, dict(masked=False, ridge=0.3)),
        "ahla": (ahla, dict(asymmetric=True)), "hla3": (hla3, dict(order=3))}

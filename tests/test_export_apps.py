@@ -16,6 +16,7 @@ from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
                                  reason="building the C++ app needs cmake and a C++ compiler")

@@ -1,11 +1,13 @@
 """The torch.library custom op, layers and HLALM model (PyTorch side of the deployment path)."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm.models import HLALM
 from hla_tvm.nn import HLAttention, hla_op, state_names
-from hla_tvm.reference import ahla, hla2, hla3
+from hla_tvm.ops.ahla import reference as ahla
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.ops.hla3 import reference as hla3
 
 OPS = [(2, False, hla2), (2, True, ahla), (3, False, hla3)]
 

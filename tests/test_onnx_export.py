@@ -5,12 +5,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-
 from conftest import rel_err
+
 from hla_tvm import onnx as hla_onnx
 from hla_tvm.cli import main
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
+
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 
 VOCAB = 40
 CONFIGS = {"hla2": dict(), "hla2_decay": dict(decay=[0.9, 0.7], n_kv_heads=2),

@@ -5,12 +5,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import rel_err
 from onnx import TensorProto, helper
 
-from conftest import rel_err
-from hla_tvm import operators
+from hla_tvm import ops
 from hla_tvm.onnx import function as F
-from hla_tvm.reference import ahla, hla2, hla3
+from hla_tvm.ops.ahla import reference as ahla
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.ops.hla3 import reference as hla3
 
 REFS = {(2, False): hla2, (2, True): ahla, (3, False): hla3}
 CASES = [(2, False, True, False, 0.0), (2, False, True, True, 0.0), (2, False, False, False, 0.3),
@@ -45,7 +47,7 @@ def _inputs(order, asym, masked, *, B=2, H=4, Hkv=4, T=11, dk=4, dv=5, state=Tru
         opts = dict(masked=masked) if ref is hla2 else {}
         t = lambda a: _t64(_rep(a[:, :, :4], H))  # noqa: E731
         st0 = ref.serial(t(q), t(k), t(v), decay=_t64(gamma), **opts)[1]
-        kv = operators.get(order, asym).kv_state
+        kv = ops.get(order, asym).kv_state
         for n, x in st0.items():
             arrays[f"{n}_in"] = (x[:, ::H // Hkv] if n in kv else x).float().numpy()
     return arrays, gamma, st0
@@ -70,7 +72,7 @@ def _check_against_reference(order, asym, masked, normalize, ridge, arrays, gamm
     # loses ~1e-4 there (as PyTorch's own float32 recurrence does; see tests/test_tvm_family.py)
     tol = 5e-4 if (order, asym, normalize) == (2, False, True) and (gamma != 1).any() else 1e-4
     assert rel_err(torch.from_numpy(got[0]), want) <= tol
-    kv = operators.get(order, asym).kv_state
+    kv = ops.get(order, asym).kv_state
     G = H // arrays["k"].shape[1]
     for n, x in zip(F.STATE_NAMES[(order, asym)], got[1:]):
         w = want_st[n][:, ::G] if n in kv else want_st[n]
@@ -114,7 +116,7 @@ def test_type_and_shape_inference(order, asym, state):
            for v in inferred.graph.value_info
            if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     want = {"o": [2, 4, 7, 5]}
-    kv = operators.get(order, asym).kv_state
+    kv = ops.get(order, asym).kv_state
     shapes = REFS[(order, asym)].state_shapes(2, 4, 3, 5)
     for n, shape in shapes.items():
         want[f"{n}_out"] = [2, 2 if n in kv else 4, *shape[2:]]

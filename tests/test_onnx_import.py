@@ -4,12 +4,12 @@ import onnx
 import pytest
 import tvm
 from onnx import TensorProto, helper
+from test_onnx_function import _check_against_reference, _inputs, _model
 
 from hla_tvm import onnx as hla_onnx
 from hla_tvm.compiler import cpu_pipeline
 from hla_tvm.onnx import function as F
 from hla_tvm.target import host_target
-from test_onnx_function import _check_against_reference, _inputs, _model
 
 
 def _run_tvm(model, arrays):

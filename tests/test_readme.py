@@ -1,10 +1,13 @@
 """Every Python snippet of the README runs as written, in order, in a fresh process (each
 snippet's names are its own or an earlier snippet's: nothing undefined)."""
+import pytest
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -2,10 +2,12 @@
 all against float64 quadratic forms and serial recurrences."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import hla
-from hla_tvm.reference import ahla, hla2, hla3
+from hla_tvm.ops.ahla import reference as ahla
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.ops.hla3 import reference as hla3
 
 OPS = {"hla2": (hla2, dict(order=2)), "ahla": (ahla, dict(asymmetric=True)),
        "hla3": (hla3, dict(order=3))}

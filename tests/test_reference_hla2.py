@@ -2,9 +2,9 @@
 recurrence (Algorithm 1), and the chunk-parallel form."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
-from hla_tvm.reference import hla2 as ref
+
+from hla_tvm.ops.hla2 import reference as ref
 
 OPTS = [dict(masked=m, normalize=n, ridge=r) for m in (True, False) for n in (False, True)
         for r in (0.0, 0.25)]

@@ -16,12 +16,25 @@ import pytest
 import torch
 from torch import nn
 
-from hla_tvm.runtime import cache, libfile, paths
 from hla_tvm.cli import main
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
 from hla_tvm.nn import HLAttention
-from hla_tvm.runtime import load
+from hla_tvm.runtime import cache, libfile, load, paths
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_compile_and_export_refuse_to_overwrite_their_input",
+    "test_cache_clear_removes_only_the_caches_own_files",
+    "test_writes_replace_a_planted_link_and_never_write_its_target",
+    "test_the_package_writes_files_through_one_helper",
+    "test_onnx_body_that_does_not_match_its_node_is_refused",
+    "test_onnx_attributes_of_the_wrong_type_or_value_name_the_node",
+    "test_decode_refuses_one_tensor_for_two_state_entries",
+    "test_a_sealed_library_that_is_no_model_is_refused_before_it_loads",
+    "test_hla_inside_an_exported_forward_says_what_to_use",
+    "test_the_cache_helpers_know_their_names",
+}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +103,7 @@ def test_blank_line_in_tuning_records_is_refused_not_a_crash(tmp_path, blank):
     f.write_text("".join(lines[:1] + [blank] + lines[1:]))
     code, out = _child(f"""
         import torch, hla_tvm
-        from hla_tvm.schedule import records
+        from hla_tvm.schedule.tuning import records
         try:
             records.load({str(folder)!r})
         except ValueError as err:
@@ -138,7 +151,7 @@ WRITE_SITES = {
     ("libfile.py", 'with open(tmp, "ab") as f:'),   # inside replacing_path
     ("libfile.py", 'with open(path, "r+b") as f:'),   # seal: of a file export just wrote
     ("device_code.py", 'with open(src, "w", encoding="utf-8") as f:'),   # a TemporaryDirectory
-    ("emulator.py", 'with open(src, "w") as f:'),   # a TemporaryDirectory
+    ("cuda_emulator.py", 'with open(src, "w") as f:'),   # a TemporaryDirectory
     ("bench.py", 'with open("/proc/self/clear_refs", "w") as f:'),
 }
 
@@ -361,7 +374,7 @@ def test_a_planted_cache_entry_is_rebuilt_and_the_cache_is_private(tmp_path):
     cache_dir = tmp_path / "cache"
     code = f"""
         import os, warnings, torch, hla_tvm
-        from hla_tvm.reference import hla2
+        from hla_tvm.ops.hla2 import reference as hla2
         os.environ["HLA_TVM_CACHE_DIR"] = {str(cache_dir)!r}
         q = torch.rand(1, 2, 1, 8, dtype=torch.float64).float()
         o = hla_tvm.hla(q, q, q)

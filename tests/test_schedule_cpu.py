@@ -9,8 +9,8 @@ tvm = pytest.importorskip("tvm")
 from tvm import te  # noqa: E402
 
 from hla_tvm.compiler import resolve_model_target  # noqa: E402
-from hla_tvm.schedule.cpu.matmul_tiles import MatmulTiles, is_outer_matmul  # noqa: E402
-from hla_tvm.schedule.cpu.parallel_fallback import ParallelFallback  # noqa: E402
+from hla_tvm.schedule.rules.cpu.matmul_tiles import MatmulTiles, is_outer_matmul  # noqa: E402
+from hla_tvm.schedule.rules.cpu.parallel_fallback import ParallelFallback  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -99,7 +99,7 @@ def test_chunk_gemm_tile_stays_on_the_stack(lanes, elem_bytes, rows, cols):
     """The chunk products' register tile stays under TVM's stack limit (1 kB): a tile of 1 kB
     or more comes from the workspace allocator, where LLVM stored every accumulator after each
     multiply-add (AVX-512's 8 x 32 float tile: the chunk kernels ran 1.8-2x slower)."""
-    from hla_tvm.schedule.cpu.chunk_gemm import STACK_BYTES, tile
+    from hla_tvm.schedule.rules.cpu.chunk_gemm import STACK_BYTES, tile
 
     shape = tile(rows, cols, lanes, elem_bytes)
     assert shape is not None

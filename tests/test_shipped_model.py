@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from hla_tvm.cli import demo
-from hla_tvm.cli import main
-from hla_tvm.runtime.generate import Eager, encode_text, generate
+from hla_tvm.cli import demo, main
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
+from hla_tvm.runtime.generate import Eager, encode_text, generate
 from hla_tvm.target import host_target
 
-pytestmark = pytest.mark.xdist_group("shipped_model")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shipped_model")]
 PROMPT = "def read(path):\n    "
 
 
@@ -50,7 +49,7 @@ def test_module_holds_one_copy_of_the_weights(shipped):
 
 
 def test_module_takes_its_kernels_from_the_shipped_records(shipped):
-    from hla_tvm.schedule import records
+    from hla_tvm.schedule.tuning import records
 
     _, path = shipped
     used = load(path).meta["schedules"]

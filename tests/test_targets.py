@@ -16,6 +16,8 @@ from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 from hla_tvm.target import resolve
 
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
+
 CROSS = ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++", "qemu-aarch64-static", "cmake")
 
 

@@ -6,14 +6,21 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import hla
-from hla_tvm.reference import hla2
+from hla_tvm.ops.hla2 import reference as hla2
 from hla_tvm.runtime import load
 
 VOCAB, THREADS, STEPS = 40, 4, 2000
 
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_the_worker_count_follows_the_measured_times",
+    "test_other_load_counts_the_cores_other_processes_keep_busy",
+    "test_results_do_not_depend_on_the_worker_count",
+}
 
 @pytest.fixture(scope="module")
 def model_path(compiled_lm):

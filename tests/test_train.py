@@ -8,8 +8,7 @@ import zlib
 import pytest
 import torch
 
-from hla_tvm.cli import train
-from hla_tvm.cli import main
+from hla_tvm.cli import main, train
 from hla_tvm.models import HLALM
 
 

@@ -9,17 +9,16 @@ import os
 
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import decode_, hla
 from hla_tvm.cli import main
-from hla_tvm.reference import hla3
-from hla_tvm.schedule import records
+from hla_tvm.ops.hla3 import reference as hla3
+from hla_tvm.schedule.tuning import records
 from hla_tvm.target import resolve
 
-
 # one worker runs this file, so the records below are tuned once
-pytestmark = pytest.mark.xdist_group("tune_records")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tune_records")]
 
 
 # one layer, third order, head size 8, chunk 16: its HLA kernels are the operator's at
@@ -48,13 +47,14 @@ def tuned_dir(tuned):
 
 
 def test_tune_writes_a_record_for_every_kernel(tuned_dir, capsys):
-    from hla_tvm import backend, operators
+    from hla_tvm import ops
+    from hla_tvm.schedule.tuning import tune
 
     for name in records.FILES:
         assert (tuned_dir / name).stat().st_size > 0
     db = records.load(str(tuned_dir))
-    op = operators.get(3, False)
-    kernels = backend.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16,
+    op = ops.get(3, False)
+    kernels = tune.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16,
                                        dtype=torch.float32,
                                        **op.options(masked=True, normalize=False, eps=1e-6,
                                                     ridge=0.0))
@@ -182,7 +182,7 @@ def test_progress_bar_shows_the_runners_fastest_trial_against_the_trials_asked()
     as the runner's, and its total stays the trials asked."""
     from tvm.s_tir import meta_schedule as ms
 
-    from hla_tvm.schedule.tune import _progress_callback
+    from hla_tvm.schedule.tuning.tune import _progress_callback
 
     class Bar:
         n, total, postfix = 0, 2, ""
@@ -210,7 +210,7 @@ def test_the_local_runner_fills_arguments_as_the_final_comparison_does():
     import numpy as np
     import tvm
 
-    from hla_tvm.schedule.tune import _alloc_args
+    from hla_tvm.schedule.tuning.tune import _alloc_args
 
     info = [("TENSOR", "float32", [3, 4]), ("TENSOR", "float16", [5]),
             ("TENSOR", "bfloat16", [2, 2]), ("TENSOR", "int32", [4])]

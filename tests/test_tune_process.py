@@ -11,20 +11,20 @@ import sys
 import pytest
 
 # one worker runs this file, so the child process below runs once
-pytestmark = pytest.mark.xdist_group("tune_process")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tune_process")]
 
 CHILD = r"""
 import json, logging, sys, traceback
 
 import torch
 
-from hla_tvm import backend, operators
-from hla_tvm.schedule import tune
+from hla_tvm import ops
+from hla_tvm.schedule.tuning import tune
 from hla_tvm.target import resolve
 
 out = sys.argv[1]
-op = operators.get(2, False)
-kernels = backend.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16, dtype=torch.float32,
+op = ops.get(2, False)
+kernels = tune.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16, dtype=torch.float32,
                                    **op.options(masked=True, normalize=False, eps=1e-6,
                                                 ridge=0.0))
 result = {}

@@ -10,13 +10,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import hla
 from hla_tvm.cli import main
-from hla_tvm.reference import hla2
-from hla_tvm.schedule import records, tune
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.schedule.tuning import records, tune
 from hla_tvm.target import resolve
+
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 
 KEY = "hla-test"
 
@@ -67,10 +69,10 @@ def tracker():
 
 
 def test_tune_over_rpc_gives_records_that_match_float64(tracker, tmp_path):
-    from hla_tvm import backend, operators
+    from hla_tvm import ops
 
-    op = operators.get(2, False)
-    kernels = backend.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16,
+    op = ops.get(2, False)
+    kernels = tune.operator_kernels(op, decayed=False, dk=8, dv=8, chunk=16,
                                        dtype=torch.float32,
                                        **op.options(masked=True, normalize=False, eps=1e-6,
                                                     ridge=0.0))

@@ -2,10 +2,21 @@
 operator x decay x normalize x grouped heads x dtype, prefill from a state then one decode step."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import hla
-from hla_tvm.reference import ahla, hla2, hla3
+from hla_tvm.ops.ahla import reference as ahla
+from hla_tvm.ops.hla2 import reference as hla2
+from hla_tvm.ops.hla3 import reference as hla3
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_family_matches_serial[hla2-0.9-False-False-float32]",
+    "test_family_matches_serial[ahla-None-False-True-float32]",
+    "test_family_matches_serial[hla3-0.9-True-False-float32]",
+    "test_key_value_work_runs_once_per_key_value_head[hla2]",
+    "test_gpu_scratch_budget",
+}
 
 OPS = {"hla2": (hla2, dict()), "ahla": (ahla, dict(asymmetric=True)), "hla3": (hla3, dict(order=3))}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float64: 1e-9}
@@ -90,7 +101,7 @@ def test_long_inputs_run_in_segments(op, decay, monkeypatch):
     """With the scratch budget cut to one chunk, a prefill runs chunk by chunk in segments (the
     state carried in place between them) and still equals the float64 serial recurrence."""
     from hla_tvm import backend
-    from hla_tvm.kernels import chains
+    from hla_tvm.ops import chains
 
     ref, kw = OPS[op]
     q, k, v = make_qkv(1, 2, 70, 8, 4, seed=5)
@@ -109,7 +120,7 @@ def test_gpu_scratch_budget(monkeypatch):
     free, never less than the CPU's budget: the goal's second order at B1 H32 T32768 D128
     (12.9 GB of scratch) runs in one segment on an idle 141 GB GPU, not 103."""
     from hla_tvm import backend
-    from hla_tvm.kernels import chains
+    from hla_tvm.ops import chains
 
     gib = 1 << 30
     cuda = torch.device("cuda", 0)
@@ -118,7 +129,7 @@ def test_gpu_scratch_budget(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free, t=total: (f, t))
         assert backend.gpu_scratch_budget(cuda) == want
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 * gib, 141 * gib))
-    chain = chains.prefill("hla2d")
+    chain = chains.prefill("hla2_decay")
     assert backend.segment_tokens(chain, 1, 32, 128, 128, 32, torch.float32) == 320
     assert backend.segment_tokens(chain, 1, 32, 128, 128, 32, torch.float32,
                                   backend.gpu_scratch_budget(cuda)) >= 32768
@@ -132,14 +143,14 @@ def test_large_inputs_run_in_head_blocks(op, fit, monkeypatch):
     start off the 64-byte alignment: copied and written back), and equals the float64 serial
     recurrence from a nonzero state, per-head decay, grouped heads."""
     from hla_tvm import backend
-    from hla_tvm.kernels import chains
+    from hla_tvm.ops import chains
 
     ref, kw = OPS[op]
     B, H, group, T, d, n = 3, 4, 2, 40, 4, 16
-    per_head = 3 * backend.scratch_per_chunk(chains.prefill("hla2d" if op == "hla2" else op),
+    per_head = 3 * backend.scratch_per_chunk(chains.prefill("hla2_decay" if op == "hla2" else op),
                                              d, d, n) * 4
     monkeypatch.setattr(backend, "SCRATCH_BYTES", per_head * (H if fit == "rows" else group))
-    blocks = backend.head_blocks(chains.prefill("hla2d" if op == "hla2" else op), B, H,
+    blocks = backend.head_blocks(chains.prefill("hla2_decay" if op == "hla2" else op), B, H,
                                  H // group, T, d, d, n, torch.float32)
     assert blocks == ([(b, b + 1, 0, H) for b in range(B)] if fit == "rows" else
                       [(b, b + 1, h, h + group) for b in range(B) for h in (0, group)])
@@ -172,16 +183,16 @@ def test_one_head_many_chunks(op):
     assert rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("fam", ["hla2", "hla2d", "ahla", "hla3"])
+@pytest.mark.parametrize("fam", ["hla2", "hla2_decay", "ahla", "hla3"])
 def test_key_value_work_runs_once_per_key_value_head(fam):
     """The prefill calls that run on the key/value heads advance exactly the operator's
     key/value-only state entries (stored once per key/value head), and nothing else advances
     them; so with grouped heads that work is done once per key/value head, not per query head."""
-    from hla_tvm import operators
-    from hla_tvm.kernels import chains
+    from hla_tvm import ops
+    from hla_tvm.ops import chains
 
-    op = {"hla2": operators.get(2, False), "hla2d": operators.get(2, False),
-          "ahla": operators.get(2, True), "hla3": operators.get(3, False)}[fam]
+    op = {"hla2": ops.get(2, False), "hla2_decay": ops.get(2, False),
+          "ahla": ops.get(2, True), "hla3": ops.get(3, False)}[fam]
     chain = chains.prefill(fam)
     kv_calls = [c for c in chain.calls if c.kv]
     assert kv_calls and {x for c in kv_calls for x in c.inplace} == set(op.kv_state)

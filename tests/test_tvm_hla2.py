@@ -1,10 +1,18 @@
 """The compiled TensorIR kernels (backend="tvm", float32) against float64 references."""
 import pytest
 import torch
-
 from conftest import make_qkv, rel_err
+
 from hla_tvm import hla
-from hla_tvm.reference import hla2 as ref
+from hla_tvm.ops.hla2 import reference as ref
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_matches_quadratic_form[77]",
+    "test_options_match_serial_recurrence[masked=False-normalize=True-ridge=0.5]",
+    "test_state_carry_prefill_prefill_decode",
+    "test_caller_state_is_not_modified",
+}
 
 TOL = 1e-4
 

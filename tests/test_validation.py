@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hla_tvm import hla
-from hla_tvm.reference import hla2 as ref
+from hla_tvm.ops.hla2 import reference as ref
 
 # a CPU target of another architecture than this machine's
 FOREIGN = "x86-64" if platform.machine() in ("aarch64", "arm64") else "aarch64"

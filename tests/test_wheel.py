@@ -9,6 +9,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +42,7 @@ def test_installed_wheel_finds_the_shipped_records(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, capture_output=True)
-    code = ("import os, sys, tvm; from hla_tvm.schedule import records as r; "
+    code = ("import os, sys, tvm; from hla_tvm.schedule.tuning import records as r; "
             "root = r.package_root(); print(root); "
             "print(all(os.path.isfile(os.path.join(root, f)) for f in sys.argv[1:])); "
             "t = tvm.target.Target({'kind': 'llvm', 'mcpu': 'znver3', 'num-cores': 2}); "

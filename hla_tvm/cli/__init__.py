@@ -59,7 +59,7 @@ def command_module(name):
 
 def build_parser(only=None):
     """The `hla-tvm` parser; the arguments of command `only` (None: every command) added."""
-    from .. import __version__
+    from ..version import __version__
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

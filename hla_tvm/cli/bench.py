@@ -4,9 +4,9 @@ measured in one process, one table with ratios (and optionally JSON).
 tvm runs the default schedules; tvm_tuned (where `hla-tvm tune` wrote records for this machine)
 the tuned ones.
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
-         the state), torch (`fast.step`, in place), torch_compile (torch.compile of it),
+         the state), torch (the operator's `fast.step_`, in place), torch_compile (torch.compile of it),
          state_copy (copying the state's bytes once: the floor of a memory-bound step)
-prefill: tvm (`hla`), torch (`fast.chunk`: every chunk at once, with or without decay),
+prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or without decay),
          torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
          quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
          function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
@@ -25,8 +25,7 @@ import time
 
 import torch
 
-from .args import decay as decay_factor
-from .args import positive
+from .args import decay as decay_factor, positive
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 
@@ -113,8 +112,7 @@ def _repeat_kv(x, heads):
 def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
     """{name: fn} of one decode step each, from the state after 16 prompt tokens."""
     from .. import decode_, hla
-    from ..fast.step import STEPS
-    from ..operators import get
+    from ..ops import OPERATORS, get
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, 17, dk, dv, kv_heads)
@@ -128,7 +126,7 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
               "tvm_tuned": {n: x.clone() for n, x in st.items()},
               "torch": {n: x.clone() for n, x in full.items()},
               "torch_compile": {n: x.clone() for n, x in full.items()}}
-    step = STEPS[op]
+    step = OPERATORS[op].fast.step_
     compiled = torch.compile(step, dynamic=False)
     dst = {n: torch.empty_like(x) for n, x in st.items()}
 
@@ -154,7 +152,7 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
 
 def _tuned_records():
     """True when `hla-tvm tune` wrote records for this machine (schedules="auto" finds them)."""
-    from ..schedule import records
+    from ..schedule.tuning import records
     from ..target import resolve
 
     return records.find("auto", resolve(None))[0] is not None
@@ -170,7 +168,7 @@ def hla2_prefill_flops(B, H, T, dk, dv, n):
 
 def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=None):
     from .. import hla
-    from ..fast.chunk import CHUNKED
+    from ..ops import OPERATORS
 
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, seq, dk, dv, kv_heads)
@@ -180,8 +178,8 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
         cases["tvm_tuned"] = lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
                                          schedules="auto", **kw)
     def fast(q, k, v):
-        return CHUNKED[op](q, _repeat_kv(k, heads), _repeat_kv(v, heads),
-                           chunk_size=chunk_size, decay=decay)[0]
+        return OPERATORS[op].fast.chunked(q, _repeat_kv(k, heads), _repeat_kv(v, heads),
+                                          chunk_size=chunk_size, decay=decay)[0]
     compiled = torch.compile(fast, dynamic=False)
     cases["torch"] = lambda: fast(q, k, v)
     cases["torch_compile"] = lambda: compiled(q, k, v)

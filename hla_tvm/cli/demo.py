@@ -75,11 +75,10 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
     TVM version); a damaged cached file is compiled again."""
     import tvm
 
-    from ..compiler import compile as compile_model
-    from ..compiler import records_folder
+    from ..compiler import compile as compile_model, records_folder
     from ..models.hlalm import weights_digest
     from ..runtime import MODULE_FORMAT, cache, libfile
-    from ..schedule import records
+    from ..schedule.tuning import records
 
     rec = records_folder(schedules, target)
     key = hashlib.sha256("\n".join([

@@ -59,7 +59,7 @@ def _model_kernels(path, target):
     builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
     shapes at the tuning shape)}."""
     from ..compiler import prepare
-    from ..schedule.model import tunable
+    from ..schedule.tuning.model import tunable
 
     if str(path).endswith(".onnx"):
         from ..onnx.importer import lm_module
@@ -79,8 +79,8 @@ def _model_kernels(path, target):
 def main(args):
     import torch
 
-    from .. import backend, operators
-    from ..schedule import records, tune
+    from .. import ops
+    from ..schedule.tuning import records, tune
     from ..target import cross_compiler, parse, resolve
 
     target = resolve(parse(args.target))
@@ -97,10 +97,10 @@ def main(args):
     if args.model:
         kernels, what = _model_kernels(args.model, target), args.model
     else:
-        op = operators.get(3 if args.op == "hla3" else 2, args.op == "ahla")
+        op = ops.get(3 if args.op == "hla3" else 2, args.op == "ahla")
         if args.heads % args.kv_heads:
             raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-        kernels, what = backend.operator_kernels(
+        kernels, what = tune.operator_kernels(
             op, decayed=args.decay, dk=args.dk, dv=args.dv or args.dk, chunk=args.chunk_size,
             group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype),
             **op.options(masked=True, normalize=args.normalize, eps=1e-6, ridge=0.0)), args.op

@@ -17,9 +17,10 @@ import numpy as np
 from tvm import relax
 from tvm.tirx import IntImm
 
-from .. import operators, validate
-from ..kernels import _tir, chains
-from ..schedule import records
+from .. import ops, validate
+from ..ops import chains
+from ..ops.common import tir as _tir
+from ..schedule.tuning import records
 
 
 def _add(bb, name, make, shapes):
@@ -64,7 +65,7 @@ _GPU_TARGET = contextvars.ContextVar("hla_tvm_gpu_target", default=None)
 @contextlib.contextmanager
 def chunks_for(target):
     """Within: prefill chains emitted for a CUDA `target` use the largest chunk up to the
-    model's whose tiles fit the GPU's shared memory (`backend.gpu_chunk`; the outputs do not
+    model's whose tiles fit the GPU's shared memory (`schedule.rules.cuda.limits.gpu_chunk`; the outputs do not
     depend on the chunk size). Other targets keep the model's chunk."""
     token = _GPU_TARGET.set(target if target is not None and target.kind.name == "cuda"
                             else None)
@@ -92,7 +93,7 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     if _GPU_TARGET.get() is not None:
         opts = {**opts, **chains.gpu_options(chain)}
     if _GPU_TARGET.get() is not None and not decode:
-        from ..backend import gpu_chunk
+        from ..schedule.rules.cuda.limits import gpu_chunk
 
         chunk = gpu_chunk(chain, dk, dv, _GPU_TARGET.get(), chunk=chunk, group=group,
                           dtype=dtype, **opts)
@@ -158,7 +159,7 @@ def emit_operator(bb, order, asymmetric, q, k, v, state, decay, *, masked=True,
     with Hkv heads; empty for a fresh sequence, which starts from zeros), decay: per-query-head
     gamma [H] or None. The kernels run H heads, reading key/value head h // group of k, v and of
     the k/v-only entries (prefill); decode repeats those and keeps each group's first."""
-    op = operators.get(order, asymmetric)
+    op = ops.get(order, asymmetric)
     H, Hkv = int(q.ty.shape[1]), int(k.ty.shape[1])
     group = H // Hkv
     names = op.state_names

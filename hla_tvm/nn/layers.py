@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import operators
+from .. import ops
 from .ops import hla_op, state_names
 
 
@@ -58,7 +58,7 @@ class HLAttention(nn.Module):
                  asymmetric=False, masked=True, decay=None, normalize=False, eps=1e-6,
                  ridge=0.0, out_norm=True, chunk_size=64):
         super().__init__()
-        self.op = operators.get(order, asymmetric)
+        self.op = ops.get(order, asymmetric)
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
         if n_heads % self.n_kv_heads:

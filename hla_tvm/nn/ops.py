@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import torch
 
-from .. import operators, validate
-from ..operators import state_dtype
+from .. import ops, validate
 from ..api import hla as _hla
+from ..ops import state_dtype
 
 
 def state_names(order=2, asymmetric=False):
     """The operator's state entries, in the order the custom op takes and returns them."""
-    return tuple(operators.get(order, asymmetric).state_names)
+    return tuple(ops.get(order, asymmetric).state_names)
 
 
 def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, chunk_size):
     names = state_names(order, asymmetric)
-    extra = dict(masked=masked, ridge=ridge) if operators.get(order, asymmetric).has_mask_ridge \
+    extra = dict(masked=masked, ridge=ridge) if ops.get(order, asymmetric).has_mask_ridge \
         else {}
     out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps,
                    decay=decay, state=dict(zip(names, state)) if state else None,
@@ -50,7 +50,7 @@ def _(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge, c
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     if state:
         return [out] + [torch.empty_like(x) for x in state]
-    shapes = operators.get(order, asymmetric).state_shapes(
+    shapes = ops.get(order, asymmetric).state_shapes(
         q.shape[0], q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
     return [out] + [q.new_empty(shapes[n], dtype=state_dtype(q.dtype))
                     for n in state_names(order, asymmetric)]

@@ -6,8 +6,17 @@ bodies in standard ONNX, export of `hla_tvm.nn` models, and compiling such ONNX 
     hla_tvm.onnx.compile("model.onnx", target="llvm", out="model.so")   # hla_tvm.runtime.load
 """
 from . import schema
-from .function import (DOMAIN, OP_TYPE, add_functions, check, check_functions, make_function,
-                       node, node_variant, overload_name)
+from .function import (
+    DOMAIN,
+    OP_TYPE,
+    add_functions,
+    check,
+    check_functions,
+    make_function,
+    node,
+    node_variant,
+    overload_name,
+)
 
 schema.register()
 

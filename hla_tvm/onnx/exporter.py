@@ -55,7 +55,7 @@ def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps,
 
 def translation_table():
     """The custom_translation_table entry torch.onnx.export needs for hla_tvm models."""
-    from ..nn import hla_op   # defining it registers torch.ops.hla_tvm.hla
+    from ..nn import hla_op  # defining it registers torch.ops.hla_tvm.hla
 
     return {hla_op._opoverload: _translate}
 
@@ -113,7 +113,7 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False):
     Batch and length stay dynamic."""
     from torch.export import Dim
 
-    from ..compiler import _Decode, _Fresh, _Prefill, _flatten, flat_state_spec
+    from ..compiler import Decode, Fresh, Prefill, flat_state_spec, flatten_state
 
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
@@ -127,11 +127,11 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False):
     tokens = _example_tokens(example_tokens, decode)
     B = tokens.shape[0]
     with_state = decode or from_state
-    state = _flatten(model.init_state(B)) if with_state else []
+    state = flatten_state(model.init_state(B)) if with_state else []
     spec = flat_state_spec(model)
     batch = Dim("batch", min=1)
     tok_dims = {0: batch} if decode else {0: batch, 1: Dim("seq", min=2)}
-    wrapper = (_Decode if decode else _Prefill if from_state else _Fresh)(model, layout).eval()
+    wrapper = (Decode if decode else Prefill if from_state else Fresh)(model, layout).eval()
     with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             wrapper, (tokens, *state), dynamo=True, opset_version=function.OPSET,

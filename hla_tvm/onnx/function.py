@@ -7,9 +7,9 @@ over time, so any conforming runtime runs a model that carries them (ModelProto.
 Attributes: order (2 or 3), asymmetric, masked, normalize (0/1), eps, ridge, decay (floats).
 The optional input `decay_heads` (one gamma per query head) replaces the scalar attribute; state inputs
 are all given or all omitted (omitted: a fresh sequence, zeros). State entries, in order: second
-order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as `hla_tvm.reference`);
-entries built from k, v alone (`operators` kv_state) have Hkv heads. The recurrences are those of
-`hla_tvm.reference.{hla2, ahla, hla3}.step`, float32.
+order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as the operators' references);
+entries built from k, v alone (`Operator.kv_state`) have Hkv heads. The recurrences are those of
+`hla_tvm.ops.{hla2, ahla, hla3}.reference.step`, float32.
 
 The body's structure depends on the structural attributes and on which optional inputs are
 present, so each combination is its own FunctionProto, told apart by the node's and the
@@ -120,9 +120,9 @@ def _step(b, op, st, q, k, v, g4, g3, masked, normalize, eps, ridge):
 
 
 def _kv_state(order, asymmetric):
-    from .. import operators
+    from .. import ops
 
-    return set(operators.get(order, asymmetric).kv_state)
+    return set(ops.get(order, asymmetric).kv_state)
 
 
 def _shape_of(b, name, shapes):

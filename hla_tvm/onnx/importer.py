@@ -112,7 +112,7 @@ def _convert_hla(bb, inputs, attrs):
     from tvm import relax
 
     from ..frontend.relax_hla import emit_operator, zero_state
-    from ..operators import get
+    from ..ops import get
 
     node = attrs["tvm_custom"]["name"]
     inputs = list(inputs)   # the frontend's list pads out-of-range slices with None
@@ -231,7 +231,7 @@ def with_state_inputs(model):
     """A fresh-start prefill graph (tokens alone) as the prefill-from-state graph: each HLA node
     without state inputs takes them from new graph inputs, named after the graph outputs its new
     state feeds (`<name>.out` -> `<name>`), ordered as the metadata's state layout."""
-    from ..operators import get
+    from ..ops import get
 
     model = copy.deepcopy(model)
     g = model.graph

@@ -41,7 +41,7 @@ def _tensor_type(elem_type, dims):
 def infer(ctx):
     """o [B, H, T, Dv]; state outputs as their inputs, or from q, k, v for a fresh sequence:
     key/value-only entries have Hkv heads, matrices are [Dk, Dk] (S) or [Dk, Dv]."""
-    from .. import operators
+    from .. import ops
 
     def attr(name):
         a = ctx.get_attribute(name)
@@ -55,7 +55,7 @@ def infer(ctx):
     op = (attr("order"), bool(attr("asymmetric")))
     if op not in STATE_NAMES:
         return
-    kv = operators.get(*op).kv_state
+    kv = ops.get(*op).kv_state
     for i, name in enumerate(STATE_NAMES[op][:ctx.get_num_outputs() - 1]):
         if ctx.get_num_inputs() > 4 + i and ctx.has_input(4 + i):
             ctx.set_output_type(1 + i, ctx.get_input_type(4 + i))

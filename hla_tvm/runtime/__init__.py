@@ -15,8 +15,17 @@
 
 Nothing here imports torch or TVM's compiler (`tests/test_runtime_package.py` imports every
 module where neither can be imported)."""
-from .model import (META_FUNC, MODULE_FORMAT, PREFILL_PIECE, STATE_MODEL, CompiledModel,
-                    last_position, load, prefill_pieces, read_meta)
+from .model import (
+                    META_FUNC,
+                    MODULE_FORMAT,
+                    PREFILL_PIECE,
+                    STATE_MODEL,
+                    CompiledModel,
+                    last_position,
+                    load,
+                    prefill_pieces,
+                    read_meta,
+)
 from .pool import physical_cores, set_threads
 
 __all__ = ["CompiledModel", "META_FUNC", "MODULE_FORMAT", "PREFILL_PIECE", "STATE_MODEL",

@@ -22,8 +22,7 @@ import zipfile
 import numpy as np
 
 from . import libfile
-from .pool import Adaptive, env_threads, set_threads
-from .pool import import_tvm_runtime as _import_tvm_runtime
+from .pool import Adaptive, env_threads, import_tvm_runtime as _import_tvm_runtime, set_threads
 
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"

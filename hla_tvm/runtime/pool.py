@@ -81,6 +81,19 @@ def set_threads(threads=None):
     return threads
 
 
+_SIZED = []
+
+
+def size_once():
+    """Once per process, before the first kernel of `hla()` or `decode_()` runs (or a kernel is
+    timed for tuning): one TVM worker per physical core ($TVM_NUM_THREADS wins), as
+    `hla_tvm.runtime.load` does. TVM's own default (half the logical CPUs) left the operator
+    1.7x slower on a 2-core machine."""
+    if not _SIZED:
+        set_threads(None)
+        _SIZED.append(True)
+
+
 class Adaptive:
     """The worker count of one kind of call (an entry at one shape) on one thread, chosen by
     timing. A probe first runs PROBE_CALLS calls on the calling thread alone; a call whose

@@ -1,1 +1,33 @@
-"""Default schedules per target kind (tuned-record lookup comes with the tuning issue)."""
+"""Schedules of the HLA kernels and of the other functions of a compiled model.
+
+    rules/cpu, rules/cuda    the default rules per target kind, one per module
+    tuning/                  tuned records (`records`), the tuner (`tune`), a compiled model's
+                             tunable functions (`model`)
+    common                   what the rules share
+
+`default_rules(target)` gives a kernel's default schedule for the target's kind;
+`schedule_module` applies it to every kernel not scheduled from a tuned record (`TUNED`)."""
+from __future__ import annotations
+
+TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tuned record
+
+
+def default_rules(target):
+    """The default schedule of an HLA kernel for the target's kind: `rules.cpu.scheduled`
+    for llvm, `rules.cuda.scheduled` for cuda (each takes (func, target))."""
+    from .rules import cpu, cuda
+
+    rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)
+    if rules is None:
+        raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
+    return rules
+
+
+def schedule_module(mod, target):
+    """Apply `default_rules(target)` to every function of `mod` that is not scheduled from a
+    tuned record already."""
+    import tvm
+
+    rules = default_rules(target)
+    return tvm.IRModule({gv: mod[gv] if mod[gv].attrs and TUNED in mod[gv].attrs
+                         else rules(mod[gv], target) for gv in mod.get_global_vars()})

@@ -1,0 +1,71 @@
+"""Rule for the legalized Relax ops around the HLA kernels (projections, norms, logits) that
+dlight's CPU GEMV/Reduction rules do not take:
+  - element-wise chains are inlined into their last block first (one pass over memory);
+  - element-wise blocks: innermost row vectorized; the leading loops run in parallel only when
+    the static part of the work is at least PARALLEL_MIN elements (a parallel launch costs
+    microseconds, more than a decode step's 256-element row takes serially);
+  - reductions whose last data-parallel loop has a static extent (matmul C[.., j] += A[.., k]
+    B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
+    the reduction runs between them, so each thread streams rows of B into a row of C."""
+from __future__ import annotations
+
+from tvm import s_tir
+from tvm.s_tir import dlight as dl
+
+from ...common import COMM_REDUCE, DATA_PAR, inline_elementwise, static_extent
+
+VECTOR = 16
+ROW = 64
+PARALLEL_MIN = 1 << 15
+
+
+class ParallelFallback(dl.ScheduleRule):
+    def apply(self, func, target, _tunable):
+        sch = s_tir.Schedule(func)
+        inline_elementwise(sch, sch.get_child_blocks(sch.get_sblock("root")))
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            loops = sch.get_loops(block)
+            iters = sch.get(block).iter_vars
+            if not loops or len(iters) != len(loops):
+                continue  # not bound one-to-one to its loops; leave it serial
+            kinds = [iv.iter_type for iv in iters]
+            spatial = [lp for lp, k in zip(loops, kinds) if k == DATA_PAR]
+            reduce_ = [lp for lp, k in zip(loops, kinds) if k == COMM_REDUCE]
+            if len(spatial) + len(reduce_) != len(loops) or not spatial:
+                continue
+            if reduce_:
+                self._reduction(sch, block, spatial, reduce_)
+            else:
+                self._elementwise(sch, spatial)
+        return sch
+
+    @staticmethod
+    def _elementwise(sch, spatial):
+        work = 1
+        for lp in spatial:
+            work *= static_extent(sch, lp) or 1
+        ext = static_extent(sch, spatial[-1])
+        if ext and ext % VECTOR == 0 and ext > VECTOR:
+            outer, inner = sch.split(spatial[-1], factors=[None, VECTOR])
+            sch.vectorize(inner)
+            spatial = spatial[:-1] + [outer]
+        if work >= PARALLEL_MIN:
+            sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+
+    @staticmethod
+    def _reduction(sch, block, spatial, reduce_):
+        ext = static_extent(sch, spatial[-1])
+        if not ext or ext % VECTOR:
+            lead = spatial  # e.g. a row reduction: parallel rows, serial reduction
+            sch.reorder(*spatial, *reduce_)
+            sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+            return
+        row = ROW if ext % ROW == 0 else VECTOR
+        outer, inner = sch.split(spatial[-1], factors=[None, row])
+        lead = spatial[:-1] + [outer]
+        sch.reorder(*lead, *reduce_, inner)
+        sch.vectorize(inner)
+        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+        if sch.get(block).init is not None:
+            sch.decompose_reduction(block, reduce_[0])
+

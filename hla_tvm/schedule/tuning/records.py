@@ -1,0 +1,314 @@
+"""Tuned schedule records: where they live, reading them, and applying one to a kernel.
+
+A records folder is a meta_schedule JSON database (`database_workload.json`,
+`database_tuning_record.json`) holding, per kernel, its best tuned schedule where that beat the
+default by `tune.MARGIN`, else its default schedule. A workload is the kernel specialized to
+the tuning shape (`TUNE_SHAPE`: the shapes a prefill or decode of that size calls it with,
+`chain_shapes`; a model's projections at batch 1 and that length, `model.matmuls`); the record's
+trace replays on the kernel with symbolic batch, heads and length, so one record serves every
+shape. Folders are per target (`target_folder`): the shipped `schedules/<target>/`
+(`package_root`) and the user's `~/.cache/hla_tvm/schedules/<target>/` (`hla-tvm tune` writes
+there by default).
+
+schedules= on the API and the CLI: "auto" (the records for the target where they exist, else
+the default schedules), "default", or the path of a records folder."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import warnings
+
+TUNE_SHAPE = {"batch": 1, "heads": 8, "seq": 4096}
+SHAPES_ATTR = "hla_tvm.tune_shapes"   # a model's kernel: its argument shapes at TUNE_SHAPE (JSON)
+FILES = ("database_workload.json", "database_tuning_record.json")
+
+
+def target_folder(target):
+    """The records folder name of `target`: kind, CPU model and cores, e.g. llvm-znver3-2c."""
+    parts = [target.kind.name]
+    for key, fmt in (("mcpu", "{}"), ("arch", "{}"), ("num-cores", "{}c")):
+        value = target.attrs.get(key)
+        if value:
+            parts.append(fmt.format(value))
+    return "-".join(str(p) for p in parts)
+
+
+def user_root():
+    """~/.cache/hla_tvm/schedules (under $HLA_TVM_CACHE_DIR when set)."""
+    from ...runtime import cache
+
+    return os.path.join(cache.root(), cache.RECORDS)
+
+
+def package_root():
+    """The shipped records: `hla_tvm/_schedules/` in an installed wheel (setup.py copies the
+    checkout's folder there), else the checkout's top-level `schedules/` folder."""
+    here = os.path.abspath(__file__)   # hla_tvm/schedule/tuning/records.py
+    pkg = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    wheel = os.path.join(pkg, "_schedules")
+    return wheel if os.path.isdir(wheel) else os.path.join(os.path.dirname(pkg), "schedules")
+
+
+def resolve(schedules, target):
+    """The records folder `schedules` names for `target`, or None for the default schedules.
+    "auto": the user's folder for the target, else the package's, else None; "default": None;
+    a path: that folder (ValueError when it holds no database)."""
+    if schedules is None or schedules == "default":
+        return None
+    if not isinstance(schedules, (str, os.PathLike)):
+        raise TypeError(f"schedules must be 'auto', 'default' or a path, got "
+                        f"{type(schedules).__name__}")
+    if schedules == "auto":
+        for root in (user_root(), package_root()):
+            path = os.path.join(root, target_folder(target))
+            if all(os.path.isfile(os.path.join(path, f)) for f in FILES):
+                return path
+        return None
+    path = os.fspath(schedules)
+    missing = [f for f in FILES if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"schedules={path!r} is not a records folder: it lacks "
+                         f"{', '.join(missing)} (write one with hla-tvm tune -o {path})")
+    return path
+
+
+_DATABASES: dict = {}
+_FOUND: dict = {}
+_LOCK = threading.Lock()
+
+
+def find(schedules, target):
+    """(records folder or None, its digest or None) for schedules= and `target` (`resolve`),
+    remembered per process: records written later are seen after `forget()` or a restart."""
+    key = (schedules if isinstance(schedules, str) else repr(schedules), str(target))
+    hit = _FOUND.get(key)
+    if hit is None:
+        path = resolve(schedules, target)
+        hit = (path, None if path is None else digest(path))
+        if path is not None:
+            _notice_foreign(path, target)
+        with _LOCK:
+            _FOUND[key] = hit
+    return hit
+
+
+def _notice_foreign(path, target):
+    """A one-line warning when `path` holds records for other CPUs only (they still give
+    correct kernels, tuned for another machine)."""
+    mine = (target.kind.name, str(target.attrs.get("mcpu", "") or ""))
+    seen = set()
+    with open(os.path.join(path, FILES[1])) as f:
+        for line in f:
+            try:
+                t = json.loads(line)[1][2]
+                seen.add((t.get("kind"), str(t.get("mcpu", "") or "")))
+            except (ValueError, IndexError, TypeError, AttributeError):
+                continue
+    if seen and mine not in seen:
+        names = ", ".join(sorted("-".join(x for x in t if x) for t in seen))
+        warnings.warn(f"hla_tvm: the records in {path} were tuned for {names}, not for this "
+                      f"target ({'-'.join(x for x in mine if x)}); they may be slow here")
+
+
+def display(path):
+    """How metadata names a records folder: "shipped:<target>" for the package's own, the path
+    under "~" for the user's, else the path as given (None stays None)."""
+    if path is None:
+        return None
+    shipped = os.path.join(package_root(), "")
+    if os.path.abspath(path).startswith(shipped):
+        return "shipped:" + os.path.relpath(os.path.abspath(path), shipped)
+    home = os.path.join(os.path.expanduser("~"), "")
+    return "~/" + os.path.relpath(path, home) if os.path.abspath(path).startswith(home) \
+        else os.fspath(path)
+
+
+def forget():
+    """Look records folders up again on the next `find` (after tuning wrote new ones)."""
+    with _LOCK:
+        _FOUND.clear()
+
+
+def digest(path):
+    """sha256 (16 hex digits) of a records folder's files: part of a compiled kernel's cache
+    key, so that new records never find a module built with the old ones."""
+    h = hashlib.sha256()
+    for name in FILES:
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def load(path):
+    """The meta_schedule JSONDatabase in `path`, checked first: ValueError naming the file and
+    line when it is truncated or corrupt, or when meta_schedule cannot read it (another TVM);
+    read once per process and digest."""
+    from tvm.s_tir import meta_schedule as ms
+
+    key = (os.path.abspath(path), digest(path))
+    with _LOCK:
+        if key in _DATABASES:
+            return _DATABASES[key]
+    workloads = _check_lines(os.path.join(path, FILES[0]), _check_workload)
+    _check_lines(os.path.join(path, FILES[1]), lambda x: _check_record(x, workloads))
+    try:
+        db = ms.database.JSONDatabase(*(os.path.join(path, f) for f in FILES),
+                                      allow_missing=False)
+    except Exception as err:   # records of another TVM version or another layout
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: meta_schedule cannot read these records ({reason}); "
+                         "delete the folder or tune again with this TVM") from None
+    with _LOCK:
+        _DATABASES[key] = db
+    return db
+
+
+def _check_lines(file, check):
+    """Number of records in `file` (one JSON value per line), each passed to check(), which
+    returns a reason when it is malformed; ValueError naming the file and line otherwise
+    (meta_schedule's reader would crash the process on some malformed records, and on a blank
+    line in the tuning records)."""
+    count = 0
+    with open(file, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+                reason = "a blank line" if not text.strip() else check(json.loads(text))
+            except UnicodeDecodeError as err:
+                reason = f"not UTF-8 text: {err.reason}"
+            except json.JSONDecodeError as err:
+                reason = str(err)
+            if reason:
+                raise ValueError(f"{file}:{n}: not a meta_schedule record ({reason}); delete "
+                                 "the folder or tune again")
+            count += 1
+    return count
+
+
+def _check_workload(x):
+    import base64
+    import binascii
+
+    if not (isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x)
+            and x[0].isdigit()):
+        return "a workload is [structural hash, module]"
+    try:
+        base64.b64decode(x[1], validate=True)
+    except binascii.Error as err:
+        return f"its module is not base64: {err}"
+    return None
+
+
+def _check_record(x, workloads):
+    if not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], int)
+            and isinstance(x[1], list) and len(x[1]) == 4):
+        return "a record is [workload index, [trace, run seconds, target, arguments]]"
+    trace, secs, target, args = x[1]
+    if not 0 <= x[0] < workloads:
+        return f"workload index {x[0]} of {workloads} workloads"
+    if not (isinstance(trace, list) and isinstance(secs, list) and isinstance(target, dict)
+            and isinstance(args, list) and "kind" in target
+            and all(isinstance(t, (int, float)) for t in secs)):
+        return "a record is [workload index, [trace, run seconds, target, arguments]]"
+    return None
+
+
+def chain_shapes(chain, dk, dv, *, chunk=None, group=1, dtype):
+    """[(call, argument shapes)] of every call of `chain` (`kernels.chains`) at the tuning
+    shape: batch 1, 8 query heads (or the next multiple of group), 4096 tokens (one for
+    decode); what its kernels are specialized to for tuning and for finding their records."""
+    from ...ops import chains
+
+    H = -(-TUNE_SHAPE["heads"] // group) * group
+    T = 1 if chain.calls[0].kernel == "decode" else TUNE_SHAPE["seq"]
+    return chains.argument_shapes(chain, TUNE_SHAPE["batch"], H, H // group, T, dk, dv,
+                                  chunk or 1, dtype)
+
+
+def specialize(func, shapes):
+    """`func` with its symbolic batch, heads and lengths fixed by the argument shapes `shapes`
+    [(shape, dtype)], one per parameter (as meta_schedule measures it)."""
+    import tvm
+    from tvm import tirx
+
+    def dims(param, shape):
+        return [tvm.tirx.IntImm("int64", int(v)) if isinstance(d, tvm.ir.expr.Var) else d
+                for d, v in zip(param.shape, shape)]
+
+    if len(shapes) != len(func.params):
+        raise ValueError(f"{len(shapes)} argument shapes for a kernel of {len(func.params)} "
+                         "parameters")
+    return func.specialize({p: tirx.decl_buffer(dims(p, shape), dtype, name=p.name,
+                                                elem_offset=p.elem_offset)
+                            for p, (shape, dtype) in zip(func.params, shapes)})
+
+
+def workload(func, shapes):
+    """The meta_schedule workload module of a kernel: specialized, its function named main and
+    marked noalias, as tune_tir normalizes a task (records are found by structural hash), without
+the Relax fusion attribute a model's copy carries."""
+    import tvm
+
+    func = specialize(func, shapes).with_attr("global_symbol", "main")
+    if func.attrs and "op_pattern" in func.attrs:   # set on a model's functions by legalize
+        func = func.without_attr("op_pattern")
+    return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
+
+
+def pick(kernels, db, target, *, where="", quiet=()):
+    """{name: PrimFunc} for kernels {name: (PrimFunc, argument shapes at TUNE_SHAPE)}: each one
+    scheduled from its record in `db` and marked `schedule.TUNED`, or as given (for the default
+    rules) where db is None or holds no record for it; a one-line notice names the kernels
+    (but those in `quiet`) left to the default schedules when db holds records."""
+    from .. import TUNED
+
+    out, missing = {}, []
+    for name, (func, shapes) in kernels.items():
+        t = None if db is None else tuned(func, shapes, db, target)
+        out[name] = func if t is None else t.with_attr(TUNED, True)
+        if t is None and name not in quiet:
+            missing.append(name)
+    if db is not None and missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        warnings.warn(f"hla_tvm: {len(missing)} kernel(s) without a tuned record{where} use the "
+                      f"default schedule: {names} (hla-tvm tune writes records)", stacklevel=2)
+    return out
+
+
+def tuned(func, shapes, db, target):
+    """`func` scheduled by its record in `db` (the trace replayed on the symbolic kernel), or
+    None when `db` holds none for it."""
+    import tvm
+    from tvm import s_tir
+
+    rec = db.query_tuning_record(workload(func, shapes), target, "main")
+    if rec is None:
+        return None
+    sch = s_tir.Schedule(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}))
+    try:
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+    except Exception as err:   # a record that does not fit this kernel: the default instead
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
+            else "a kernel"
+        warnings.warn(f"hla_tvm: the tuned record of {name} does not apply ({reason}); using "
+                      "the default schedule")
+        return None
+    out = sch.mod["main"]
+    return out.with_attr("global_symbol", func.attrs["global_symbol"]) \
+        if func.attrs and "global_symbol" in func.attrs else out
+
+
+def tuning_kernels(chain, dk, dv, *, chunk=None, group=1, dtype, **opts):
+    """{function name: (PrimFunc, argument shapes)} of `chain`'s kernels, the shapes those of a
+    call at the tuning shape (`chain_shapes`)."""
+    from ...ops import chains
+
+    funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, dtype=dtype, **opts)
+    out = {}
+    for call, shapes in chain_shapes(chain, dk, dv, chunk=chunk, group=group, dtype=dtype):
+        name = chains.kernel_name(chain, call, dk, dv, group)
+        out[name] = (funcs[name], shapes)
+    return out
