@@ -33,7 +33,7 @@ On a lent GPU machine (the `device` tool; the bundle is git-ignored, so carry it
 (`api` needs TVM's compiler there: its 100 MB wheel does not fit one call; split in two parts
 carried by two calls while the machine stays warm, it did.)
 
-The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.kernels.chains`
+The kernels run through `hla_tvm.backend.run_chain` with the chains of `hla_tvm.ops.chains`
 (neither needs TVM's compiler); the references are `hla_tvm.reference` in float64 on the GPU.
 Timed: decode at B64 H32 D128 (float32 state) against `hla_tvm.fast.step` eager and under
 torch.compile, as a share of the measured copy bandwidth; prefill at B1 H32 T32768 D128 bfloat16

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import validate
+from .options import Options
 from .ops import state_dtype
 from .ops.common.reference import fold
 
@@ -54,17 +55,18 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
                 "hla_tvm.nn.hla_op (torch.ops.hla_tvm.hla), which compile onto the kernels, or "
                 "backend='torch'")
         validate.no_gradients("backend='tvm'", q=q, k=k, v=v, state=state, decay=decay)
+    call = dict(order=order, asymmetric=asymmetric, masked=masked, normalize=normalize, eps=eps,
+                ridge=ridge, decay=decay, target=target, schedules=schedules)
     if backend == "tvm" and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1 \
             and q.shape[0] > 0 and isinstance(return_state, bool):
-        step = _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge,
-                         decay, attention_mask, target, chunk_size, schedules)
+        step = _tvm_step(q, k, v, state, call, attention_mask, chunk_size)
         if step is not None:
             return step if return_state else step[0]
     B, H, Hkv, T, dk, dv = validate.qkv(q, k, v)
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
-    op, eps, ridge, decay = validate.operator_options(order, asymmetric, masked, normalize, eps,
-                                                      ridge, decay, H, Hkv)
+    opts = Options.checked(H, Hkv, **call)
+    op = opts.op
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     chunk_size = validate.chunk_size(chunk_size, compiled=backend == "tvm")
@@ -73,9 +75,8 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         validate.state(state, op.state_shapes(B, H, Hkv, dk, dv),
                        f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}")
     group = H // Hkv
-    opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
     if backend == "tvm":
-        _tvm_not_yet(op, decay=decay, device=q.device)
+        _tvm_not_yet(op, device=q.device)
     if B == 0:   # an empty batch: an empty output and state
         shapes = op.state_shapes(B, H, Hkv, dk, dv)
         out = torch.empty(B, H, T, dv, dtype=q.dtype, device=q.device)
@@ -84,29 +85,26 @@ def hla(q, k, v, *, order=2, asymmetric=False, masked=True, normalize=False, eps
         return (out, new_state) if return_state else out
     if backend == "torch":
         k, v, state = _expand_groups(op, k, v, state, group)
-        out, new_state = _torch(op, q, k, v, state, decay, mask, chunk_size, opts)
+        out, new_state = _torch(q, k, v, state, opts, mask, chunk_size)
         if group > 1:
             new_state = {n: (x[:, ::group].contiguous() if n in op.kv_state else x)
                          for n, x in new_state.items()}
     else:   # the kernels take grouped k, v and the key/value-only entries per key/value head
-        out, new_state = _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts,
-                              schedules)
+        out, new_state = _tvm(q, k, v, state, opts, mask, chunk_size)
     return (out, new_state) if return_state else out
 
 
-def _tvm_step(q, k, v, state, order, asymmetric, masked, normalize, eps, ridge, decay, mask,
-              target, chunk_size, schedules):
+def _tvm_step(q, k, v, state, call, mask, chunk_size):
     """(o, new state) of one token through `decode_`'s plan (the one place that picks and calls
     the decode kernels), on a private copy of the state; None when an argument needs the full
-    checks of `hla` (which then explain it)."""
+    checks of `hla` (which then explain it). call: the keyword options (`options.DEFAULTS`)."""
     from .backend import private_copy
     from .decode import decode_plan
 
     validate.chunk_size(chunk_size)
-    plan = decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-                 schedules)
+    plan = decode_plan(q, k, v, call)
     if mask is not None:
-        if decay is not None:
+        if plan.decayed:
             return None   # refused by `_tvm`
         # a padded token is a zero token: the undecayed state stays, the output is zero
         mask = validate.attention_mask(mask, q.shape[0], 1)
@@ -139,7 +137,7 @@ def _expand_groups(op, k, v, state, group):
     return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), state
 
 
-def _tvm_not_yet(op, *, decay, device):
+def _tvm_not_yet(op, *, device):
     """Options whose compiled kernels are not written yet raise NotImplementedError naming
     them."""
     missing = []
@@ -150,7 +148,7 @@ def _tvm_not_yet(op, *, decay, device):
                                   + " (backend='torch' does)")
 
 
-def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
+def _torch(q, k, v, state, opts, mask, chunk_size):
     """The PyTorch forms: the chunk form with every chunk at once (the operator's
     `fast.chunked`), in float64
     for float64 input and float32 otherwise. The
@@ -158,6 +156,7 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     together with decay, and inf/NaN inputs (the chunk form's intra-chunk products multiply the
     zero weights of later tokens by their values, and 0 * inf is NaN, which would reach earlier
     outputs)."""
+    op, decay, kernel_opts = opts.op, opts.decay, opts.kernel()
     work = state_dtype(q.dtype)
     qw, kw, vw = (x.to(work) for x in (q, k, v))
     st = None if state is None else {n: x.to(work) for n, x in state.items()}
@@ -171,10 +170,10 @@ def _torch(op, q, k, v, state, decay, mask, chunk_size, opts):
     if mask is not None or (not validate.values_checked() and not all(
             bool(torch.isfinite(x).all()) for x in (qw, kw, vw))):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,
-                       **opts)
+                       **kernel_opts)
     else:   # every chunk at once
         out, st = op.fast.chunked(qw, kw, vw, chunk_size=chunk_size, decay=decay, state=st,
-                                  **opts)
+                                  **kernel_opts)
     return out.to(q.dtype), st
 
 
@@ -184,12 +183,13 @@ def _zero_padding(x, mask):
                        torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
+def _tvm(q, k, v, state, opts, mask, chunk_size):
     from . import backend as tvm_backend
     from .ops import chains
     from .ops.common.reference import gamma
     from .target import for_device
 
+    op, decay = opts.op, opts.decay
     B, H, T, dk = q.shape
     dv = v.shape[-1]
     if mask is not None:  # zero tokens leave the (undecayed) state unchanged and output zero
@@ -197,7 +197,7 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
             raise NotImplementedError("backend='tvm' does not support yet: attention_mask "
                                       "together with decay (backend='torch' does)")
         q, k, v = (_zero_padding(x, mask) for x in (q, k, v))
-    tgt = for_device(q.device, target)
+    tgt = for_device(q.device, opts.target)
     acc = state_dtype(q.dtype)
     if state is None:
         shapes = op.state_shapes(B, H, k.shape[1], dk, dv)
@@ -209,5 +209,6 @@ def _tvm(op, q, k, v, state, decay, mask, target, chunk_size, opts, schedules):
                         gpu=tgt.kind.name == "cuda")
     g = gamma(decay, torch.empty(1, H, 0, dtype=acc, device=q.device))[0].contiguous()
     out = tvm_backend.prefill(fam, q, k, v, g, st, chunk_size=chunk_size, target=tgt,
-                              schedules=schedules, **chains.kernel_options(q.dtype, **opts))
+                              schedules=opts.schedules,
+                              **chains.kernel_options(q.dtype, **opts.kernel()))
     return out, st

@@ -1,6 +1,6 @@
 """Running HLA operators through the compiled TensorIR kernels (torch tensors in and out).
 
-Each operator's kernels and the order they run in are its chain (`kernels.chains`); this module
+Each operator's kernels and the order they run in are its chain (`ops.chains`); this module
 compiles a chain's kernels for a target (cached, `build`) and runs the chain on torch tensors.
 The state is the reference's dict in the accumulation dtype (float32 for float16, bfloat16 and
 float32 inputs, float64 for float64), advanced in place; outputs come in the input dtype."""
@@ -41,7 +41,7 @@ SERIAL_COPY = 32768   # PyTorch's grain size: smaller copies do not use its thre
 def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **opts):
     """The compiled module holding every kernel of `chain` (functions named by
     `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`.
-    schedules: "auto", "default" or a records folder (`schedule.records`); kernels with a
+    schedules: "auto", "default" or a records folder (`schedule.tuning.records`); kernels with a
     record use its schedule, the others the default one."""
     from .schedule.tuning import records
 

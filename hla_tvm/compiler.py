@@ -5,7 +5,7 @@ layer order and `state_names` order):
     prefill(tokens [B, T] int64, *state) -> (logits [B, T, vocab], *state)     T symbolic
     decode(tokens [B] int64, *state)     -> (logits [B, vocab], *state)
 and metadata (`hla_tvm_meta`: a JSON string with the state layout, max_batch and the weights'
-digest) for `hla_tvm.runtime`. The library file is sealed (`hla_tvm.libfile`)."""
+digest) for `hla_tvm.runtime`. The library file is sealed (`hla_tvm.runtime.libfile`)."""
 from __future__ import annotations
 
 import copy
@@ -143,7 +143,7 @@ def legalize(mod, target):
 
 
 def lowering_pipeline(target):
-    """The Relax pipeline after `legalize` and `schedule.model.schedule_model`: default
+    """The Relax pipeline after `legalize` and `schedule.tuning.model.schedule_model`: default
     schedules for the functions not scheduled yet, then TVM's lowering and finalization passes
     for the target's kind. CPU: `MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU
     GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
@@ -171,7 +171,7 @@ def lowering_pipeline(target):
 
 def cpu_pipeline(target):
     """The whole CPU Relax pipeline with default schedules: `legalize`, the HLA kernels'
-    default rules (`schedule.model.schedule_model`), then `lowering_pipeline`."""
+    default rules (`schedule.tuning.model.schedule_model`), then `lowering_pipeline`."""
     import tvm
 
     from .schedule.tuning.model import schedule_model

@@ -12,7 +12,8 @@ import threading
 import numpy as np
 import torch
 
-from . import ops, validate
+from . import options, ops, validate
+from .options import Options
 from .ops import state_dtype
 from .validate import ALIGN, aligned
 
@@ -50,8 +51,7 @@ def init_state(batch, heads, head_dim, value_dim=None, *, kv_heads=None, order=2
 class _Plan:
     """What one (shapes, dtype, options) combination needs at call time."""
 
-    def __init__(self, q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-                 schedules):
+    def __init__(self, q, k, v, call):
         from . import backend
         from .ops import chains
         from .ops.common.reference import gamma
@@ -65,9 +65,9 @@ class _Plan:
         if T != 1:
             raise ValueError(f"decode_ takes one token: q [B, H, Dk] or [B, H, 1, Dk], got "
                              f"{tuple(q.shape)}")
-        op, eps, ridge, decay = validate.operator_options(
-            order, asymmetric, masked, normalize, eps, ridge, decay, H, Hkv)
-        tgt = for_device(q.device, target)   # (ValueError for other devices)
+        opts = Options.checked(H, Hkv, **call)
+        op, decay = opts.op, opts.decay
+        tgt = for_device(q.device, opts.target)   # (ValueError for other devices)
         self.device = q.device
         self.group = H // Hkv
         self.acc = state_dtype(q.dtype)
@@ -79,10 +79,10 @@ class _Plan:
         self.out_shape = torch.Size((B, H, 1, dv))
         self.dtype, self.ndim = q.dtype, q.dim()
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
-        opts = op.options(masked=masked, normalize=normalize, eps=eps, ridge=ridge)
-        chain = chains.decode(chains.family(op.name, decayed=decay is not None, decode=True))
-        mod = backend.module(chain, dk, dv, tgt, group=H // Hkv,
-                             schedules=schedules, **chains.kernel_options(q.dtype, **opts))
+        self.decayed = opts.decayed
+        chain = chains.decode(chains.family(op.name, decayed=opts.decayed, decode=True))
+        mod = backend.module(chain, dk, dv, tgt, group=H // Hkv, schedules=opts.schedules,
+                             **chains.kernel_options(q.dtype, **opts.kernel()))
         self.fn, = backend.functions(chain, mod, dk, dv)   # (q, k, v, gamma, *state, o)
         self.gamma = gamma(decay, torch.empty(1, H, 0, dtype=self.acc,
                                               device=q.device))[0].contiguous()
@@ -200,24 +200,18 @@ def _repeat_heads(x, group):
     return full
 
 
-def decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-          schedules="auto"):
+def decode_plan(q, k, v, call):
+    """The `_Plan` of one token on q, k, v with the keyword options `call` (`options.DEFAULTS`),
+    made once per shapes, dtypes, device and options and kept."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dkey = decay if decay is None or isinstance(decay, (int, float)) else \
-        (tuple(decay.tolist()) if isinstance(decay, torch.Tensor) else repr(decay))
-    tkey = target if target is None or isinstance(target, str) else str(target)
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, order, asymmetric,
-           masked,
-           normalize, eps, ridge, dkey, tkey, schedules)
-    try:
-        plan = _PLANS.get(key)
-    except TypeError:   # an unhashable option: checked (and refused) by the plan
-        plan, key = None, None
-    if plan is None:
-        plan = _Plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-                     schedules)
+    opts = options.key(call)
+    key = None if opts is None else \
+        (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, opts)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:   # (an unhashable option: checked, and refused, by the plan)
+        plan = _Plan(q, k, v, call)
         if key is not None:
             with _LOCK:
                 _PLANS[key] = plan
@@ -238,8 +232,9 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
     validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
-    plan = decode_plan(q, k, v, order, asymmetric, masked, normalize, eps, ridge, decay, target,
-                 schedules)
+    plan = decode_plan(q, k, v, dict(order=order, asymmetric=asymmetric, masked=masked,
+                                     normalize=normalize, eps=eps, ridge=ridge, decay=decay,
+                                     target=target, schedules=schedules))
     if plan.out_shape[0] == 0:   # an empty batch: nothing to advance
         plan.check_state(state)
         if out is not None:

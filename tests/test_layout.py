@@ -4,7 +4,7 @@ too). The layers, lowest first:
 
     version, runtime          what runs a compiled model without torch or TVM's compiler
     ops                       the operators: reference math, fast PyTorch forms, kernels, chains
-    target, validate          targets and argument checks
+    target, validate, options targets, argument checks, the options of a call
     schedule                  default rules (schedule.rules) and tuning (schedule.tuning)
     build                     compiling and caching kernel modules
     backend, decode, api      running the kernels from PyTorch: hla(), decode_()
@@ -17,7 +17,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hla_tvm")
 
 LAYERS = [("hla_tvm.version", "hla_tvm.runtime"), ("hla_tvm.ops",),
-          ("hla_tvm.target", "hla_tvm.validate"), ("hla_tvm.schedule",), ("hla_tvm.build",),
+          ("hla_tvm.target", "hla_tvm.validate", "hla_tvm.options"), ("hla_tvm.schedule",),
+          ("hla_tvm.build",),
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),
           ("hla_tvm.nn", "hla_tvm.models", "hla_tvm.frontend"),
           ("hla_tvm.compiler", "hla_tvm.onnx", "hla_tvm.bundle"),

@@ -1,4 +1,4 @@
-"""`hla-tvm tune`: auto-tuning of an operator's or a model's kernels (`schedule.tune`)."""
+"""`hla-tvm tune`: auto-tuning of an operator's or a model's kernels (`schedule.tuning.tune`)."""
 from __future__ import annotations
 
 import os

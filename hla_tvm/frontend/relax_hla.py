@@ -2,7 +2,7 @@
 
 `emit_hla(bb, op_name, q, k, v, state, gamma, ...)`
 emits the operator's kernel chain
-(`kernels.chains`, the one description the eager backend runs too) on Relax expressions with
+(`ops.chains`, the one description the eager backend runs too) on Relax expressions with
 (possibly symbolic) shapes q [B, H, T, Dk], k, v [B, H, T, .] and returns (o, new_state): T == 1
 (static) uses the decode chain, any other T the chunked prefill, whose chunk count is
 ceil(T / n) in the Relax shapes. State updates use call_tir_inplace, so a compiled module advances the caller's state
@@ -25,7 +25,7 @@ from ..schedule.tuning import records
 
 def _add(bb, name, make, shapes):
     """The module's function `name`: make(), added once, carrying its argument `shapes` at the
-    tuning shape (scheduled when the module is built: `schedule.model.schedule_model`)."""
+    tuning shape (scheduled when the module is built: `schedule.tuning.model.schedule_model`)."""
     existing = [gv for gv in bb.get().get_global_vars() if gv.name_hint == name]
     if existing:
         return existing[0]
@@ -80,7 +80,7 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     with H / group heads (query head h reads key/value head h // group), state entries in the
     operator's order (prefill: the k/v-only entries with the key/value heads; decode: every
     entry with the query heads); gamma [H] or None (no decay). Emits the kernel chain of
-    `kernels.chains`: T == 1 (static) its decode, any other T its prefill."""
+    `ops.chains`: T == 1 (static) its decode, any other T its prefill."""
     B, H, T, dk = _shape(q)
     dv, dk = int(_shape(v)[-1]), int(dk)
     Hkv = _shape(k)[1]

@@ -4,7 +4,7 @@
       <kind>-<24 hex>.so          compiled kernel modules (`build.load_or_build`)
       models/demo-<20 hex>.so     the demo's compiled model (`demo.compiled_module`)
       device/<sha256>-<sm>.fatbin CUDA device code and its .sha256 (`device_code.store`)
-      emulator/<24 hex>.so        emulated CUDA kernels (`schedule.cuda.emulator`)
+      emulator/<24 hex>.so        emulated CUDA kernels (`tools.cuda_emulator`)
       runtime/<arch>-tvm...       TVM runtimes of other architectures (`bundle`)
       schedules/<target>/         the user's tuned records (`hla-tvm tune`): not a cache
 

@@ -308,7 +308,7 @@ class _ByShape:
 
 def chain_functions(chain, dk, dv, target, *, chunk=None, group=1, mode=FORWARD, seed=0,
                     **opts):
-    """What `hla_tvm.backend.run_chain` calls for `chain` (`kernels.chains`) on torch CPU
+    """What `hla_tvm.backend.run_chain` calls for `chain` (`ops.chains`) on torch CPU
     tensors: each call's kernel under the default CUDA schedule for `target`, emulated (threads
     and blocks in `mode`'s order, or in that of a `mode=` keyword to the call); opts: the
     kernels' (dtype, normalize, ...)."""

@@ -216,7 +216,7 @@ def _check_record(x, workloads):
 
 
 def chain_shapes(chain, dk, dv, *, chunk=None, group=1, dtype):
-    """[(call, argument shapes)] of every call of `chain` (`kernels.chains`) at the tuning
+    """[(call, argument shapes)] of every call of `chain` (`ops.chains`) at the tuning
     shape: batch 1, 8 query heads (or the next multiple of group), 4096 tokens (one for
     decode); what its kernels are specialized to for tuning and for finding their records."""
     from ...ops import chains

@@ -29,7 +29,7 @@ def apply(sch, func_name, target=None, tunable=False):
     func = sch.mod[func_name]
     if func.attrs and matmul_tiles.MODEL_MATMUL in func.attrs and \
             matmul_tiles.schedule(sch, _lanes(target), tunable):
-        return sch   # a model's projection (`schedule.model.matmuls`)
+        return sch   # a model's projection (`schedule.tuning.model.matmuls`)
     parallel_outer(sch, func_name)
     chunk_gemm(sch, func_name, _lanes(target), tunable)
     vectorize_inner(sch, func_name)
