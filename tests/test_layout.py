@@ -126,6 +126,14 @@ def test_no_layer_imports_one_above_it():
     assert not upward, upward
 
 
+def test_schedule_rules_do_not_import_tuning():
+    """The default rules stand alone: tuning builds on them, never the other way round."""
+    crossing = [(m, t) for m, ts in _graph().items() for t in ts
+                if m.startswith("hla_tvm.schedule.rules") and
+                t.startswith("hla_tvm.schedule.tuning")]
+    assert not crossing, crossing
+
+
 def test_no_module_imports_another_modules_private_names():
     private = [(m, target, n, line) for m in MODULES for target, names, line in _imports(m)
                for n in names if n.startswith("_") and not n.startswith("__")

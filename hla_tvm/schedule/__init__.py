@@ -3,6 +3,7 @@
     rules/cpu, rules/cuda    the default rules per target kind, one per module
     tuning/                  tuned records (`records`), the tuner (`tune`), a compiled model's
                              tunable functions (`model`)
+    shapes                   the shapes kernels are specialized to (tuning, records, GPU limits)
     common                   what the rules share
 
 `default_rules(target)` gives a kernel's default schedule for the target's kind;

@@ -264,7 +264,7 @@ class Emulated:
     tensors of those shapes runs its launches (threads and blocks in the order `mode` gives)."""
 
     def __init__(self, func, shapes, target, name="kernel"):
-        from ..schedule.tuning.records import specialize
+        from ..schedule.shapes import specialize
 
         self.name, self.shapes = name, [(tuple(int(d) for d in s), str(t)) for s, t in shapes]
         source, self.launches = _host_launches(specialize(func, shapes), target)

@@ -63,7 +63,7 @@ def check(func, shapes, target, name="kernel"):
     does not fit."""
     from tvm import s_tir
 
-    from ...tuning.records import specialize
+    from ...shapes import specialize
 
     _, before, _ = split_host_device(specialize(func, shapes), target)
     lowered = before[0]
@@ -98,7 +98,7 @@ def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
     """The chunk size `chain`'s kernels run with on a CUDA `target`: `chunk`, or the largest
     half of it whose kernels fit the architecture's shared memory (`check`;
     the chunked form's outputs do not depend on the chunk size). Remembered per process."""
-    from ...tuning.records import tuning_kernels
+    from ...shapes import tuning_kernels
     from . import scheduled
 
     key = (chain.family, dk, dv, str(target), chunk, group, tuple(sorted(opts.items())))
