@@ -23,21 +23,27 @@ _LOCK = threading.Lock()
 _CODE_DIGEST = []
 
 
+def sources_digest(*folders) -> str:
+    """sha256 (hex) over the .py files, names and contents, of the package's `folders` (none:
+    the whole package)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for sub in folders or ("",):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, sub))):
+            dirnames.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
 def code_digest() -> str:
     """sha256 over the source of the kernels and schedules (what decides the generated code),
     so that an edited kernel or schedule rule never finds a stale cache entry."""
     if not _CODE_DIGEST:
-        root = os.path.dirname(os.path.abspath(__file__))
-        h = hashlib.sha256()
-        for sub in ("ops", "schedule"):
-            for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, sub))):
-                dirnames.sort()
-                for name in sorted(f for f in files if f.endswith(".py")):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, root).encode() + b"\0")
-                    with open(path, "rb") as f:
-                        h.update(f.read())
-        _CODE_DIGEST.append(h.hexdigest()[:16])
+        _CODE_DIGEST.append(sources_digest("ops", "schedule")[:16])
     return _CODE_DIGEST[0]
 
 

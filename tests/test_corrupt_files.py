@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import make_qkv, rel_err
+from conftest import make_qkv, rel_err, sealed_without_note
 
 from hla_tvm import build, hla, onnx as hla_onnx
 from hla_tvm.compiler import compile as compile_model
@@ -113,12 +113,9 @@ def test_module_metadata_reads_without_loading(files, tmp_path):
     assert read_meta(lib) == load(lib).meta   # the library's note: its own metadata
     data = lib.read_bytes()
     image = len(data) - libfile.TRAILER
-    size = int.from_bytes(data[image - 16:image - 8], "little")
     # a library without a note (the trailer right after the image): not known to be a model,
     # so refused before it is loaded (loading runs a library's code)
-    old = tmp_path / "old.so"
-    old.write_bytes(data[:image - 16 - size])
-    libfile.seal(old)
+    old = sealed_without_note(lib, tmp_path / "old.so")
     for call in (read_meta, load):
         with pytest.raises(ValueError, match="old.so: not an hla_tvm compiled model"):
             call(old)

@@ -11,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import sealed_without_note
 
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
@@ -168,14 +169,7 @@ def test_cpp_app_help_and_a_library_that_is_no_model(app, module, tmp_path):
     assert run.returncode == 0 and run.stdout.startswith("usage: hla_tvm_app") and \
         "--temperature" in run.stdout and not run.stderr, run.stdout + run.stderr
     # a whole, sealed library without an hla_tvm model's note is refused before it is loaded
-    from hla_tvm.runtime import libfile
-
-    data = open(module, "rb").read()
-    image = len(data) - libfile.TRAILER
-    size = int.from_bytes(data[image - 16:image - 8], "little")
-    bare = tmp_path / "bare.so"
-    bare.write_bytes(data[:image - 16 - size])
-    libfile.seal(bare)
+    bare = sealed_without_note(module, tmp_path / "bare.so")
     run = subprocess.run([app, str(bare), "--prompt", "1"], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 1 and "not an hla_tvm compiled model" in run.stderr, run.stderr
@@ -194,11 +188,6 @@ def test_script_refuses_a_library_that_is_no_model_and_samples_text_as_run(modul
     assert (ns["TEXT_TEMPERATURE"], ns["TEXT_TOP_K"]) == (generate.TEXT_TEMPERATURE,
                                                           generate.TEXT_TOP_K)
     ns["check_module"](module)
-    data = open(module, "rb").read()
-    image = len(data) - libfile.TRAILER
-    size = int.from_bytes(data[image - 16:image - 8], "little")
-    bare = tmp_path / "bare.so"
-    bare.write_bytes(data[:image - 16 - size])
-    libfile.seal(bare)
+    bare = sealed_without_note(module, tmp_path / "bare.so")
     with pytest.raises(ValueError, match="not an hla_tvm compiled model"):
         ns["check_module"](str(bare))

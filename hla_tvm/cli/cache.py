@@ -39,12 +39,12 @@ def main(args):
             kinds[kind] = kinds.get(kind, 0) + 1
         what = ", ".join(f"{n} {_CACHE_KINDS[k]}" for k, n in kinds.items()) or "nothing"
         print(f"removed from {path}: {what}")
-        kept = [p for p, _ in cache.entries(records=True) if _ == "records"]
+        kept = [p for p, kind in cache.entries(records=True) if kind == "records"]
         if kept:
             print(f"kept the tuned records in {os.path.join(path, cache.RECORDS)} "
                   f"({', '.join(os.path.basename(p) for p in kept)}): --clear --records "
                   "removes them too")
-        left = cache.others(records=True)
+        left = cache.others()
         if left:
             print(f"left {len(left)} file(s) that are not the cache's alone, e.g. {left[0]}")
         return 0
@@ -62,7 +62,7 @@ def main(args):
                       f"{cache.size(p) / 1e3:.0f} kB")
             if len(mine) > 20:
                 print(f"    ... {len(mine) - 20} more")
-    left = cache.others(records=True)
+    left = cache.others()
     if left:
         print(f"  not the cache's ({len(left)}; --clear leaves them): "
               + ", ".join(os.path.relpath(p, path) for p in left[:5])

@@ -55,26 +55,13 @@ def progress_line(message, stream=None):
         stream.flush()
 
 
-def _source_digest():
-    """sha256 of every .py file of the package (what decides a compiled model's code)."""
-    root = PACKAGE
-    h = hashlib.sha256()
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            h.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()
-
-
 def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
     """(path, compiled now) of `model` compiled for `target`, from the cache when an earlier
     run built it (keyed by the weights, the target, the records, the package's source and the
     TVM version); a damaged cached file is compiled again."""
     import tvm
 
+    from ..build import sources_digest
     from ..compiler import compile as compile_model, records_folder
     from ..models.hlalm import weights_digest
     from ..runtime import MODULE_FORMAT, cache, libfile
@@ -83,7 +70,7 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
     rec = records_folder(schedules, target)
     key = hashlib.sha256("\n".join([
         weights_digest(model.config, model.state_dict()), str(target), MODULE_FORMAT,
-        tvm.__version__, _source_digest(), records.digest(rec) if rec else "default"]
+        tvm.__version__, sources_digest(), records.digest(rec) if rec else "default"]
     ).encode()).hexdigest()[:20]
     path = os.path.join(cache.folder("models"), f"demo-{key}.so")
     if os.path.isfile(path):

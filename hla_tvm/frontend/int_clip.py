@@ -16,6 +16,8 @@ def int_clip(mod):
     import tvm
     from tvm import relax
 
+    from .call_rewrite import rewrite_calls
+
     clip_op = tvm.ir.Op.get("relax.clip")
 
     def bound(value, dtype, end):
@@ -24,20 +26,13 @@ def int_clip(mod):
             return tvm.tirx.IntImm(dtype, int(info.min if end == 0 else info.max))
         return value
 
-    @relax.expr_functor.mutator
-    class _Clip(relax.PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            dtype = str(getattr(call.args[0].ty, "dtype", "")) if call.args else ""
-            if isinstance(call.op, tvm.ir.Op) and call.op.same_as(clip_op) and \
-                    dtype.startswith(("int", "uint")):
-                lo, hi = bound(call.args[1], dtype, 0), bound(call.args[2], dtype, 1)
-                if not (lo.same_as(call.args[1]) and hi.same_as(call.args[2])):
-                    return relax.op.clip(call.args[0], lo, hi)
-            return call
+    def bounded(call):
+        dtype = str(getattr(call.args[0].ty, "dtype", "")) if call.args else ""
+        if isinstance(call.op, tvm.ir.Op) and call.op.same_as(clip_op) and \
+                dtype.startswith(("int", "uint")):
+            lo, hi = bound(call.args[1], dtype, 0), bound(call.args[2], dtype, 1)
+            if not (lo.same_as(call.args[1]) and hi.same_as(call.args[2])):
+                return relax.op.clip(call.args[0], lo, hi)
+        return call
 
-    mutator = _Clip(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            mutator.builder_.update_func(gv, mutator.visit_expr(func))
-    return mutator.builder_.get()
+    return rewrite_calls(mod, bounded)

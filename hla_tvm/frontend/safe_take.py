@@ -13,21 +13,16 @@ def safe_take(mod):
     import tvm
     from tvm import relax
 
+    from .call_rewrite import rewrite_calls
+
     take_op = tvm.ir.Op.get("relax.take")
 
-    @relax.expr_functor.mutator
-    class _Clip(relax.PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if call.op.same_as(take_op) and str(call.attrs.mode) == "fast":
-                return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
-            return call
+    def clip(call):
+        if call.op.same_as(take_op) and str(call.attrs.mode) == "fast":
+            return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+        return call
 
-    mutator = _Clip(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            mutator.builder_.update_func(gv, mutator.visit_expr(func))
-    return mutator.builder_.get()
+    return rewrite_calls(mod, clip)
 
 
 

@@ -68,15 +68,12 @@ def private(path, what="the cache folder"):
     return path
 
 
-def folder(sub=None, create=True):
-    """The cache folder (or its subfolder `sub`), created with mode 0700 when missing (with
-    `create`) and checked private (`private`); None when it does not exist and `create` is
-    false."""
+def folder(sub=None):
+    """The cache folder (or its subfolder `sub`), created with mode 0700 when missing and
+    checked private (`private`)."""
     top = root()
     path = top if sub is None else os.path.join(top, sub)
     if not os.path.isdir(path):
-        if not create:
-            return None
         for where in (top, path):   # (makedirs gives only the last folder the mode)
             os.makedirs(where, mode=0o700, exist_ok=True)
     private(top)
@@ -91,48 +88,41 @@ def _own(kind, name, is_dir):
     return pattern is not None and re.fullmatch(pattern, name) is not None
 
 
-def entries(records=False):
-    """[(path, kind)] of the cache's own files and folders: kind is "kernels", "models",
-    "device", "emulator", "runtime", or (with `records`) "records" for the user's tuned
-    records folders; nothing else in the folder is listed."""
-    top = root()
-    found = []
-    if not os.path.isdir(top):
-        return found
+def _scan(top):
+    """(path, kind, whether it is the cache's own) of every entry in the cache folder `top`
+    and in its own subfolders (the subfolders themselves and the records folder aside; links
+    to folders are not followed)."""
     for kind in _OWN:
         where = os.path.join(top, kind) if kind else top
         if not os.path.isdir(where) or (kind and os.path.islink(where)):
             continue
         for name in sorted(os.listdir(where)):
+            if not kind and (name in _OWN or name == RECORDS):
+                continue
             full = os.path.join(where, name)
             is_dir = os.path.isdir(full) and not os.path.islink(full)
-            if _own(kind, name, is_dir):
-                found.append((full, kind or "kernels"))
+            yield full, kind or "kernels", _own(kind, name, is_dir)
+
+
+def entries(records=False):
+    """[(path, kind)] of the cache's own files and folders: kind is "kernels", "models",
+    "device", "emulator", "runtime", or (with `records`) "records" for the user's tuned
+    records folders; nothing else in the folder is listed."""
+    top = root()
+    if not os.path.isdir(top):
+        return []
+    found = [(path, kind) for path, kind, own in _scan(top) if own]
     rec = os.path.join(top, RECORDS)
     if records and os.path.isdir(rec) and not os.path.islink(rec):
         found += [(os.path.join(rec, name), "records") for name in sorted(os.listdir(rec))]
     return found
 
 
-def others(records=True):
-    """Paths in the cache folder that are not the cache's own (`entries`; the records folder
-    counts as its own when `records`): left alone by `clear`."""
+def others():
+    """Paths in the cache folder that are not the cache's own (`entries`, the records folder
+    included): left alone by `clear`."""
     top = root()
-    if not os.path.isdir(top):
-        return []
-    own = {p for p, _ in entries(records=True)}
-    out = []
-    for kind in list(_OWN) + [RECORDS]:
-        where = os.path.join(top, kind) if kind else top
-        if not os.path.isdir(where) or (kind and os.path.islink(where)):
-            continue
-        for name in sorted(os.listdir(where)):
-            full = os.path.join(where, name)
-            if full in own or (not kind and name in _OWN) or \
-                    (not kind and name == RECORDS) or (kind == RECORDS and records):
-                continue
-            out.append(full)
-    return out
+    return [path for path, _, own in _scan(top) if not own] if os.path.isdir(top) else []
 
 
 def size(path):
