@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from . import validate
-from .options import Options
 from .ops import state_dtype
 from .ops.common.reference import fold
+from .options import Options
 
 BACKENDS = ("tvm", "torch")
 

@@ -160,8 +160,7 @@ def lowering_pipeline(target):
             + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from .schedule.rules.cpu.matmul_tiles import MatmulTiles
-    from .schedule.rules.cpu.parallel_fallback import ParallelFallback
+    from .schedule.rules.cpu import MatmulTiles, ParallelFallback
 
     return tvm.transform.Sequential(
         [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),

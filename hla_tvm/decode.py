@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import torch
 
-from . import options, ops, validate
-from .options import Options
+from . import ops, options, validate
 from .ops import state_dtype
+from .options import Options
 from .validate import ALIGN, aligned
 
 _PLANS: dict = {}

@@ -4,7 +4,6 @@ import pytest
 
 from hla_tvm.cli import main
 
-
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
 FAST = {
     "test_help_lists_commands",

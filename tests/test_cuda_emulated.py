@@ -1,6 +1,6 @@
 """The CUDA kernels run here without a GPU: `hla_tvm.tools.cuda_emulator` compiles the CUDA
 source TVM generates for the CPU and runs each thread block thread by thread, phase by phase.
-The chains are checked against the float64 reference by `benchmarks/gpu_check.py`'s own
+The chains are checked against the float64 reference by `benchmarks/gpu_check`'s own
 check (what a lent GPU runs), with the threads of every block in forward and reverse order."""
 import os
 import shutil
@@ -26,12 +26,13 @@ def target():
 def _check(target, config, modes):
     """The GPU check of `config` with its kernels emulated (built once), threads in each of
     `modes`' orders."""
-    import gpu_check
+    from gpu_check.checks import judged
+    from gpu_check.emulate import EmulatedKernels
 
-    kern = gpu_check.EmulatedKernels(target, [config], modes[0])
+    kern = EmulatedKernels(target, [config], modes[0])
     for mode in modes:
         kern.mode = mode
-        rows = gpu_check.judged(kern, *config, device="cpu")
+        rows = judged(kern, *config, device="cpu")
         assert rows and all(r["pass"] for r in rows), (mode, rows)
 
 
@@ -39,7 +40,7 @@ def _check(target, config, modes):
 # with grouped heads). Head size 32: chunk kernels of 256 threads with register tiles
 # (`thread_stages.TILES`) and scans split over blocks (`scan_lanes`); head size 48: tiles
 # that do not fill the last round of threads (288 tiles of 2 x 4, masked). Larger heads and the
-# normalized variants: `gpu_check.py emulate` (10 minutes). (Normalized at head size 8, the
+# normalized variants: `python benchmarks/gpu_check emulate` (10 minutes). (Normalized at head size 8, the
 # float32 output of these inputs is ill-conditioned: the CPU kernels miss the float64
 # reference by 3.5e-4 too.)
 CONFIGS = [("hla2", "float32", 8, 1, False), ("hla2_decay", "float32", 8, 1, False),
@@ -61,9 +62,10 @@ def test_the_masked_tail_of_a_register_tile_stays_in_its_block(target, monkeypat
     stage's loop, the masked tail too, into the next block's elements. Without the mask
     (`thread_stages.mask_write_backs`) the emulated prefill is wrong; with it, right."""
     from hla_tvm.schedule.rules import cuda
+    from hla_tvm.schedule.rules.cuda import hla_kernels
     from hla_tvm.tools import cuda_emulator as emulator
 
-    monkeypatch.setattr(cuda, "mask_write_backs", lambda func, tails: func)
+    monkeypatch.setattr(hla_kernels, "mask_write_backs", lambda func, tails: func)
     monkeypatch.setattr(cuda, "_SCHEDULED", type(cuda._SCHEDULED)())
     with pytest.raises(AssertionError):
         _check(target, ("hla2_decay", "float32", 8, 1, False), (emulator.FORWARD,))

@@ -1,6 +1,6 @@
 """CUDA without a GPU: every HLA kernel, scheduled by the default CUDA rules, fits sm_80's and
 sm_90's limits as TVM lowers it, and its generated source builds to device code with nvcc.
-(Running them needs a GPU: `benchmarks/gpu_check.py` on a lent one.)"""
+(Running them needs a GPU: `benchmarks/gpu_check` on a lent one.)"""
 import concurrent.futures
 import hashlib
 import os
@@ -159,7 +159,7 @@ def test_every_kernel_runs_on_many_threads_and_in_place_kernels_are_told_apart()
 
 
 def test_chains_and_backend_import_without_tvm():
-    """A GPU machine with the TVM runtime alone (`benchmarks/gpu_check.py run`) runs the
+    """A GPU machine with the TVM runtime alone (`benchmarks/gpu_check run`) runs the
     chains through `backend.run_chain`: neither may import TVM's compiler."""
     import subprocess
     import sys
@@ -396,7 +396,7 @@ def test_a_gpu_bundle_holds_its_device_code_and_fails_plainly_without_a_gpu(
     """`hla-tvm bundle` of a module compiled for a GPU: the module, its device code (checked),
     TVM's CUDA runtime; the bundle's script and C++ app pick the device code by the source's
     sha256 and the GPU's architecture (as `hla_tvm.runtime.device_code` does), refuse altered device
-    code, and without a GPU or a driver say so. (On a GPU: `benchmarks/gpu_check.py models`.)"""
+    code, and without a GPU or a driver say so. (On a GPU: `benchmarks/gpu_check models`.)"""
     import json
     import shutil
     import subprocess

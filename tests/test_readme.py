@@ -1,11 +1,12 @@
 """Every Python snippet of the README runs as written, in order, in a fresh process (each
 snippet's names are its own or an earlier snippet's: nothing undefined)."""
-import pytest
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 

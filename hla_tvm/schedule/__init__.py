@@ -1,6 +1,7 @@
 """Schedules of the HLA kernels and of the other functions of a compiled model.
 
-    rules/cpu, rules/cuda    the default rules per target kind, one per module
+    rules/cpu, rules/cuda    the default rules per target kind, dlight ScheduleRules (one
+                             interface: apply(func, target, tunable)), their steps one per module
     tuning/                  tuned records (`records`), the tuner (`tune`), a compiled model's
                              tunable functions (`model`)
     shapes                   the shapes kernels are specialized to (tuning, records, GPU limits)
@@ -14,8 +15,9 @@ TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tun
 
 
 def default_rules(target):
-    """The default schedule of an HLA kernel for the target's kind: `rules.cpu.scheduled`
-    for llvm, `rules.cuda.scheduled` for cuda (each takes (func, target))."""
+    """The default schedule of an HLA kernel for the target's kind, (func, target) -> func:
+    `rules.cpu.scheduled` for llvm, `rules.cuda.scheduled` for cuda (each applies its
+    `HLAKernels` rule, remembered per process)."""
     from .rules import cpu, cuda
 
     rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)

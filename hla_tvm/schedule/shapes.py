@@ -4,7 +4,6 @@
 (batch 1, 8 query heads, 4096 tokens; one for decode)."""
 from __future__ import annotations
 
-
 TUNE_SHAPE = {"batch": 1, "heads": 8, "seq": 4096}
 
 

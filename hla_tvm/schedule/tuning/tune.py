@@ -1,10 +1,10 @@
 """Tuning kernels with meta_schedule: `tune(kernels, target, trials, out)`.
 
 The design space of a kernel is its default CPU schedule with the register tile of every
-GEMM-shaped block a sampled decision (`cpu.apply(..., tunable=True)`; the first point is the
-default schedule). meta_schedule's evolutionary search, XGBoost cost model and local (or RPC)
-runner search it for the tuning shape (`records.TUNE_SHAPE`), measuring `trials` candidates in
-all; its own database and log under `<out>/work/` keep every trial, so a second run with the
+GEMM-shaped block a sampled decision (`rules.cpu.schedule(..., tunable=True)`; the first point
+is the default schedule). meta_schedule's evolutionary search, XGBoost cost model and local (or
+RPC) runner search it for the tuning shape (`records.TUNE_SHAPE`), measuring `trials` candidates
+in all; its own database and log under `<out>/work/` keep every trial, so a second run with the
 same `out` resumes. The local runner times a candidate as `_time` does: the fastest of `CALLS`
 calls, on inputs filled alike. Then each kernel's best trial and its default schedule are timed
 side by side (called in turn) in this process, or on the RPC device, and `<out>` gets a records
@@ -166,7 +166,7 @@ def space(target):
     from ..rules import cpu
 
     return ms.space_generator.ScheduleFn(
-        lambda sch: cpu.apply(sch, "main", target, tunable=True),
+        lambda sch: cpu.schedule(sch, "main", target, tunable=True),
         sch_rules=[], postprocs=[], mutator_probs={mutator(): 1.0})
 
 
@@ -274,7 +274,7 @@ def default_schedule(wl, target):
     from ..rules import cpu
 
     sch = s_tir.Schedule(wl)
-    cpu.apply(sch, "main", target, tunable=True)
+    cpu.schedule(sch, "main", target, tunable=True)
     return sch
 
 
