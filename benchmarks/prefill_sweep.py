@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 
-from hla_tvm.cli import bench
+from hla_tvm.cli import bench, timing
 
 CASES = ("tvm", "torch", "torch_sdpa")
 
@@ -71,7 +71,7 @@ def main(argv=None):
     while T <= a.max:
         lengths.append(T)
         T *= 2
-    info = bench.machine()
+    info = timing.machine()
     times = sweep(a.op, a.heads, a.dk, lengths, a.sdpa_max)
     title = f"{a.op} prefill, B=1 H={a.heads} D={a.dk}; {info['cpu']} ({info['cores']} cores)"
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:

@@ -167,6 +167,15 @@ def _torch(q, k, v, state, opts, mask, chunk_size):
         mask = None
     # (where the custom op's backward is traced, which cannot branch on values, the chunk form
     # runs: its gradients for non-finite inputs are not finite either)
+    if qw.shape[2] == 1 and mask is None and kw.shape[1] == qw.shape[1]:
+        # one token (a decode step): the operator's step on a copy of the state, the serial
+        # recurrence itself; the chunk form's setup costs far more than one token's work
+        B, H, _, dk = qw.shape
+        st = {n: x.clone() for n, x in st.items()} if st is not None else \
+            op.ref.zero_state(B, H, dk, vw.shape[-1], dtype=work, device=q.device)
+        out = op.fast.step_(qw[:, :, 0], kw[:, :, 0], vw[:, :, 0], st, decay=decay,
+                            **kernel_opts)
+        return out[:, :, None].to(q.dtype), st
     if mask is not None or (not validate.values_checked() and not all(
             bool(torch.isfinite(x).all()) for x in (qw, kw, vw))):
         out, st = fold(op.ref.step, op.ref.zero_state, qw, kw, vw, st, mask, decay=decay,

@@ -116,17 +116,25 @@ def merge_entries(mods):
     return tvm.IRModule(funcs)
 
 
-def prepare(mod, target):
+def prepare(mod, target, quantize=None):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
     scheduled: embedding lookups clamped (`safe_take`), one-sided integer clamps bounded
     (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), projection scales next to
-    their products (`scale_epilogue`), then `legalize`d."""
+    their products (`scale_epilogue`), with `quantize` (a `quant.Scheme`) the weights packed
+    and read by dequantizing kernels (`quantize_weights`), then `legalize`d. Returns the module,
+    or (module, the packing's report) when `quantize` is given."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.int_clip import int_clip
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
-    return legalize(scale_epilogue(fused_rms_norm(int_clip(safe_take(mod)))), target)
+    mod = scale_epilogue(fused_rms_norm(int_clip(safe_take(mod))))
+    if quantize is None:
+        return legalize(mod, target)
+    from .frontend.quantize_weights import quantize_weights
+
+    mod, report = quantize_weights(mod, quantize)
+    return legalize(mod, target), report
 
 
 def legalize(mod, target):
@@ -197,7 +205,8 @@ def _with_meta(mod, meta):
     return bb.get()
 
 
-def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None):  # noqa: A001
+def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None,  # noqa: A001
+            quantize=None, group_size=None):
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU; a preset such as "aarch64", cross-linked with
     aarch64-linux-gnu-gcc; "cuda" or {"kind": "cuda", "arch": "sm_90"} for an NVIDIA GPU, the
@@ -211,7 +220,15 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     one; "default" always the default schedules; a path that records folder. The module's
     metadata says which kernels were scheduled from records (`hla-tvm run --info`).
     max_batch: an upper bound of the batch size (TVM then plans memory statically); the
-    runtime refuses larger batches."""
+    runtime refuses larger batches.
+    quantize: None (float32 weights), "bf16", "int8" or "int4": the weights of the projections,
+    the embedding and the output head stored packed and dequantized inside the kernels that
+    read them (`hla_tvm.quant`); activations, norms and the HLA state stay float32.
+    group_size: input elements per scale (int4: 32 by default, or 64, 128; int8: per output
+    channel by default, or a group size)."""
+    from .quant import scheme
+
+    sch = scheme(quantize, group_size)
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
             raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
@@ -228,7 +245,8 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
             "vocab_size": int(config["vocab_size"]) if config else None,
             "config": config, "max_batch": max_batch,
-            "weights_sha256": weights_digest(config, model.state_dict())}
+            "weights_sha256": weights_digest(config, model.state_dict()),
+            "quantize": None if sch is None else sch.as_meta()}
     mod = to_relax(model, max_batch=max_batch, target=tgt)
     meta["entries"] = ["decode", "prefill"]
     return build(mod, meta, tgt, out, records_path)
@@ -301,7 +319,15 @@ def executable(mod, meta, target, records_path=None):
     if meta.get("vocab_size") is None:   # a model without a config: the runtime checks every
         # token id against the rows of the table the ids index, else the logits' width
         meta = {**meta, "vocab_size": token_rows(mod) or _logits_width(mod)}
-    mod, used = schedule_model(prepare(mod, target), target, records_path)
+    from .quant import from_meta
+
+    sch = from_meta(meta)
+    if sch is None:
+        mod = prepare(mod, target)
+    else:
+        mod, report = prepare(mod, target, sch)
+        meta = {**meta, "quantize": {**sch.as_meta(), **report}}
+    mod, used = schedule_model(mod, target, records_path)
     meta = {**meta, "device": "cuda" if target.kind.name == "cuda" else "cpu", "schedules": {
         "target": records.target_folder(target), "records": records.display(records_path),
         "records_sha256": None if records_path is None else records.digest(records_path),

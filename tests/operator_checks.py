@@ -173,6 +173,38 @@ def test_fast_chunked_tiny_decay_stays_finite(op):
     assert rel_err(got.double(), want) <= 1e-5
 
 
+@pytest.mark.parametrize("decay", [None, 0.9, "per-head"])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_torch_backend_token_by_token_equals_serial(op, decay, normalize, grouped):
+    """hla(backend="torch") one token at a time (a model's decode in PyTorch: the operator's
+    step on a copy of the state; grouped heads: the chunk form), the caller's state untouched,
+    against the float64 serial recurrence."""
+    ref, kw = REFS[op]
+    B, H, T, dk, dv = 2, 4, 6, 8, 4
+    group = 2 if grouped else 1
+    dec = torch.tensor([0.5, 0.9]).repeat_interleave(group) if decay == "per-head" else decay
+    if decay == "per-head" and not grouped:
+        dec = torch.tensor([0.5, 0.9, 0.99, 0.7])
+    q, _, _ = make_qkv(B, H, T, dk, dv, seed=21, positive=normalize)
+    _, k, v = make_qkv(B, H // group, T, dk, dv, seed=22, positive=normalize)
+    want, want_st = ref.serial(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                               normalize=normalize, decay=dec)
+    st, outs = None, []
+    for t in range(T):
+        before = None if st is None else {n: x.clone() for n, x in st.items()}
+        o, new = hla(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state=st,
+                     backend="torch", return_state=True, normalize=normalize, decay=dec, **kw)
+        if before is not None:
+            assert all(torch.equal(st[n], before[n]) for n in st)
+        outs.append(o)
+        st = new
+    assert rel_err(torch.cat(outs, 2), want) <= 1e-10
+    for n, x in st.items():
+        expect = want_st[n][:, ::group] if n in KV_STATE[op] else want_st[n]
+        assert rel_err(x, expect) <= 1e-10, n
+
+
 # ---- the compiled kernels (backend="tvm") ----
 
 def _decay(decay, H, group):

@@ -55,10 +55,10 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
 def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
     """A timed run that started before the process went idle (settle gave up after 1 s) is
     counted and named under the table, not passed over."""
-    from hla_tvm.cli import bench
+    from hla_tvm.cli import timing
 
     assert "note:" not in capsys.readouterr().out
-    monkeypatch.setattr(bench, "settle", lambda: False)
+    monkeypatch.setattr(timing, "settle", lambda: False)
     assert main(["bench", "decode", "--heads", "2", "--dk", "8", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "note: tvm 2 of 2, " in out and "threads still working after waiting 1 s" in out
@@ -203,3 +203,25 @@ def test_unknown_options_are_named_by_the_command_and_a_file_is_no_cache(tmp_pat
     (tmp_path / "f").write_text("x")
     monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path / "f"))
     _fails_in_one_line(capsys, ["cache"], "HLA_TVM_CACHE_DIR=", "is a file")
+
+
+def test_bench_model_compares_schemes_and_peers_in_one_table(capsys, tmp_path):
+    """`bench model`: the compiled module per scheme, PyTorch, torch.compile, ONNX Runtime
+    float32 and 4-bit (MatMulNBits), the weight-read floors, in one table and JSON."""
+    import json
+
+    assert main(["bench", "model", "--preset", "tiny", "--quantize", "float32,int4",
+                 "--prompt", "32", "--repeat", "1", "--json", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "m.json").read_text())
+    cases = set(report["results"])
+    assert {"tvm float32", "tvm int4", "torch", "torch.compile", "onnxruntime",
+            "onnxruntime int4", "floor float32", "floor int4"} <= cases, (cases, out)
+    assert report["notes"] == []
+    for case in ("tvm float32", "tvm int4", "torch", "onnxruntime int4"):
+        row = report["results"][case]
+        assert row["decode_tokens_s"] > 0 and row["prefill_tokens_s"] > 0 and case in out
+    sizes = report["sizes"]
+    assert sizes["tvm int4"]["weight_bytes"] * 4 < sizes["tvm float32"]["weight_bytes"]
+    _fails_in_one_line(capsys, ["bench", "model", "--quantize", "int3"], "--quantize takes")
+    _fails_in_one_line(capsys, ["bench", "decode", "x.pt"], "applies to `bench model`")

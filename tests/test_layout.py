@@ -3,7 +3,8 @@ private names, and no layer importing one above it (every import counts, those i
 too). The layers, lowest first:
 
     version, runtime          what runs a compiled model without torch or TVM's compiler
-    ops                       the operators: reference math, fast PyTorch forms, kernels, chains
+    ops, quant                the operators: reference math, fast PyTorch forms, kernels, chains;
+                              weight quantization schemes and dequantizing kernels
     target, validate, options targets, argument checks, the options of a call
     schedule                  default rules (schedule.rules) and tuning (schedule.tuning)
     build                     compiling and caching kernel modules
@@ -16,7 +17,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hla_tvm")
 
-LAYERS = [("hla_tvm.version", "hla_tvm.runtime"), ("hla_tvm.ops",),
+LAYERS = [("hla_tvm.version", "hla_tvm.runtime"), ("hla_tvm.ops", "hla_tvm.quant"),
           ("hla_tvm.target", "hla_tvm.validate", "hla_tvm.options"), ("hla_tvm.schedule",),
           ("hla_tvm.build",),
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),

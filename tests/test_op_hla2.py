@@ -17,6 +17,7 @@ from operator_checks import (  # noqa: F401  (the shared checks, run for OP)
     test_one_head_many_chunks,
     test_padding_equals_removing_it,
     test_per_head_decay,
+    test_torch_backend_token_by_token_equals_serial,
 )
 
 from hla_tvm import hla, init_state
@@ -27,6 +28,7 @@ OP = "hla2"   # the operator of this module's checks (the `op` fixture)
 
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
 FAST = {
+    "test_torch_backend_token_by_token_equals_serial",
     "test_caller_state_is_not_modified",
     "test_chunked_equals_serial",
     "test_chunked_equals_serial_with_decay",

@@ -16,6 +16,7 @@ from operator_checks import (  # noqa: F401  (the shared checks, run for OP)
     test_padding_equals_removing_it,
     test_per_head_decay,
     test_serial_equals_quadratic,
+    test_torch_backend_token_by_token_equals_serial,
 )
 
 from hla_tvm import hla
@@ -25,6 +26,7 @@ OP = "hla3"   # the operator of this module's checks (the `op` fixture)
 
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
 FAST = {
+    "test_torch_backend_token_by_token_equals_serial",
     "test_chunked_equals_serial_with_decay",
     "test_family_matches_serial[0.9-True-False-float32]",
     "test_fast_chunked_family_matches_serial",

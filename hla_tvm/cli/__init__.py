@@ -42,6 +42,9 @@ COMMANDS = {
         "libraries, a Python script (numpy + apache-tvm-ffi) and the C++ app's source; a module "
         "for an NVIDIA GPU with its device code and TVM's CUDA runtime (the GPU machine needs "
         "only the driver)"),
+    "eval": ("evaluate",
+        "bits per byte (or per token) of compiled modules and checkpoints over one text, side "
+        "by side, with the largest logit difference to the first (quantized against float32)"),
     "tune": ("tune",
         "auto-tune an operator's kernels or a model's kernels and projections with "
         "meta_schedule and write tuned records (used by hla(), decode_(), compile with "

@@ -1,31 +1,32 @@
 """`hla-tvm bench decode|prefill`: the compiled kernels beside the strongest PyTorch forms,
-measured in one process, one table with ratios (and optionally JSON).
+measured in one process, one table with ratios (and optionally JSON). `hla-tvm bench model`:
+a whole model (`bench_model`).
 
 tvm runs the default schedules; tvm_tuned (where `hla-tvm tune` wrote records for this machine)
 the tuned ones.
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
-         the state), torch (the operator's `fast.step_`, in place), torch_compile (torch.compile of it),
-         state_copy (copying the state's bytes once: the floor of a memory-bound step)
+         the state), torch (the operator's `fast.step_`, in place), torch_compile
+         (torch.compile of it), state_copy (copying the state's bytes once: the floor of a
+         memory-bound step)
 prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or without decay),
          torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
          quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
          function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
          rate, GFLOP/s)
 
-Every timed run starts once the process's threads are idle (`settle`): the
+Every timed run starts once the process's threads are idle (`timing.settle`): the
 thread pools of PyTorch and ONNX Runtime spin on after their work and would take the cores
 from the next case."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import platform
 import statistics
-import time
 
 import torch
 
 from .args import decay as decay_factor, positive
+from .timing import machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 
@@ -33,66 +34,9 @@ OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 def _measure(fn, runs, number=1, probe=None):
     """(median, min) seconds per call over `runs` timed runs of `number` calls, after warm-up
     (two calls; the second through `probe(fn)` when given, as `peak_rss_growth` does)."""
-    times = _measure_rounds({"fn": fn}, runs, number,
+    times = measure_rounds({"fn": fn}, runs, number,
                             None if probe is None else (lambda _, f: probe(f)))["fn"]
     return statistics.median(times), min(times)
-
-
-def settle(most=1.0, window=0.005):
-    """Wait, up to `most` seconds, until this process's threads are idle (under a tenth of a
-    core over `window` seconds): thread pools (PyTorch's OpenMP workers, ONNX Runtime's) keep
-    spinning for a while after their work, taking the cores from whatever runs next. Returns
-    whether they went idle in time."""
-    end = time.perf_counter() + most
-    while time.perf_counter() < end:
-        c0 = time.process_time()
-        time.sleep(window)
-        if time.process_time() - c0 < window / 10:
-            return True
-    return False
-
-
-def _measure_rounds(cases, runs, number=1, probe=None, busy=None):
-    """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
-    rounds (each round times `number` calls of every case in turn), after each case's warm-up
-    (two calls; the second through `probe(name, fn)` when given): a slow or fast spell of a
-    noisy machine falls on every case alike, not on whichever ran then. `busy` (a dict), when
-    given, gets {name: runs that started before the process went idle (`settle` gave up)}."""
-    for name, fn in cases.items():
-        fn()
-        if probe is None:
-            fn()
-        else:
-            probe(name, fn)
-    times = {name: [] for name in cases}
-    for _ in range(runs):
-        for name, fn in cases.items():
-            if not settle() and busy is not None:
-                busy[name] = busy.get(name, 0) + 1
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            times[name].append((time.perf_counter() - t0) / number)
-    return times
-
-
-def machine():
-    """{cpu, cores, isa} of this machine."""
-    from ..runtime import physical_cores
-
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu in ("", platform.machine()):
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = next((x for x in ("avx512f", "avx2", "sve", "asimd", "neon") if x in flags),
-               platform.machine())
-    return {"cpu": cpu, "cores": physical_cores(), "isa": isa}
 
 
 def _inputs(batch, heads, seq, dk, dv, kv_heads=None, dtype=torch.float32):
@@ -264,7 +208,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     from ..runtime.pool import OtherLoad
 
     with OtherLoad() as load:
-        times = _measure_rounds(cases, repeat, number, probe if mode == "prefill" else None,
+        times = measure_rounds(cases, repeat, number, probe if mode == "prefill" else None,
                                 busy)
     results = {}
     for name, ts in times.items():
@@ -351,8 +295,22 @@ DESCRIPTION = ("Time one decode step or a prefill of T tokens in one process: "
 
 def add_arguments(p):
     """The command's options."""
-    p.add_argument("mode", nargs="?", choices=("decode", "prefill"), default="decode",
-                   help="what to time")
+    p.add_argument("mode", nargs="?", choices=("decode", "prefill", "model"), default="decode",
+                   help="what to time: the operator's decode step or prefill, or a whole "
+                        "model (compiled per scheme beside PyTorch, torch.compile and ONNX "
+                        "Runtime)")
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="model: a checkpoint (HLALM.save) to time instead of --preset")
+    p.add_argument("--preset", choices=("tiny", "demo", "120m"), default="demo",
+                   help="model: the shipped demo model, or random weights of a tiny or a "
+                        "120 M-parameter HLALM (vocab 8192, d_model 768, 12 layers)")
+    p.add_argument("--quantize", default="float32,bf16,int8,int4", metavar="SCHEMES",
+                   help="model: the weight schemes to compile and time, comma-separated "
+                        "(float32, bf16, int8, int4)")
+    p.add_argument("--prompt", type=positive, default=1024,
+                   help="model: the prefill's prompt length")
+    p.add_argument("--no-peers", action="store_true",
+                   help="model: time the compiled modules and the floor only")
     p.add_argument("--op", choices=("hla2", "ahla", "hla3"), default="hla2",
                    help="operator: second order, asymmetric (AHLA) or third order")
     p.add_argument("--batch", type=positive, default=1, help="batch size B")
@@ -374,6 +332,19 @@ def add_arguments(p):
 
 
 def main(args):
+    if args.mode == "model":
+        from .bench_model import SCHEMES, run as run_model
+
+        schemes = [x.strip() for x in args.quantize.split(",") if x.strip()]
+        bad = [x for x in schemes if x not in SCHEMES]
+        if bad or not schemes:
+            raise ValueError(f"--quantize takes schemes among {', '.join(SCHEMES)}, got "
+                             f"{args.quantize!r}")
+        run_model(args.checkpoint, args.preset, schemes, batch=args.batch, prompt=args.prompt,
+                  rounds=args.repeat, peers=not args.no_peers, json_path=args.json)
+        return 0
+    if args.checkpoint is not None:
+        raise ValueError(f"a checkpoint applies to `bench model`, not `bench {args.mode}`")
     run(mode=args.mode, batch=args.batch, heads=args.heads, seq=args.seq, dk=args.dk,
         dv=args.dv, op=args.op, decay=args.decay, chunk_size=args.chunk_size,
         repeat=args.repeat, json_path=args.json, kv_heads=args.kv_heads)

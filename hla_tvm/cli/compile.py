@@ -25,6 +25,15 @@ def add_arguments(p):
                    help="auto: tuned records for the target where they exist (the user's from "
                         "`hla-tvm tune`, else the shipped ones), the default schedules for the "
                         "other kernels; default: no records; DIR: that records folder")
+    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
+                   help="store the weights of the projections, the embedding and the output "
+                        "head packed, dequantized inside the kernels that read them (bf16: "
+                        "half the bytes; int8: a quarter, one scale per output channel; int4: "
+                        "about a sixth, one scale per group); activations, norms and the HLA "
+                        "state stay float32")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="input elements per scale (int4: default 32; int8: default one scale "
+                        "per output channel)")
 
 def main(args):
     from ..compiler import resolve_model_target
@@ -38,6 +47,9 @@ def main(args):
         target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     from .. import validate
+    from ..quant import scheme
+
+    scheme(args.quantize, args.group_size)   # and a bad scheme (--group-size with bf16)
 
     validate.output_path("-o", args.output)   # and a bad output path
     validate.not_an_input("-o", args.output, args.checkpoint)
@@ -49,7 +61,8 @@ def main(args):
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
               f"{describe_target(tgt)} ...", flush=True)
         out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
-                           schedules=args.schedules)
+                           schedules=args.schedules, quantize=args.quantize,
+                           group_size=args.group_size)
     else:
         from ..compiler import compile as compile_model
         from ..models import HLALM
@@ -58,7 +71,8 @@ def main(args):
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
               f"parameters) for {describe_target(tgt)} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
-                            schedules=args.schedules)
+                            schedules=args.schedules, quantize=args.quantize,
+                            group_size=args.group_size)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
     if tgt.kind.name == "cuda":
         from ..runtime.device_code import folder_beside

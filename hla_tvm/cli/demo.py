@@ -55,9 +55,12 @@ def progress_line(message, stream=None):
         stream.flush()
 
 
-def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
-    """(path, compiled now) of `model` compiled for `target`, from the cache when an earlier
-    run built it (keyed by the weights, the target, the records, the package's source and the
+def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantize=None,
+                    group_size=None):
+    """(path, compiled now) of `model` compiled for `target` (with its weights quantized by
+    `quantize`: None, "bf16", "int8" or "int4", and `group_size`, as `hla_tvm.compile` takes
+    them), from the cache when an earlier run built it
+    (keyed by the weights, the scheme, the target, the records, the package's source and the
     TVM version); a damaged cached file is compiled again."""
     import tvm
 
@@ -70,8 +73,8 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
     rec = records_folder(schedules, target)
     key = hashlib.sha256("\n".join([
         weights_digest(model.config, model.state_dict()), str(target), MODULE_FORMAT,
-        tvm.__version__, sources_digest(), records.digest(rec) if rec else "default"]
-    ).encode()).hexdigest()[:20]
+        tvm.__version__, sources_digest(), records.digest(rec) if rec else "default",
+        f"{quantize}/{group_size}"]).encode()).hexdigest()[:20]
     path = os.path.join(cache.folder("models"), f"demo-{key}.so")
     if os.path.isfile(path):
         try:
@@ -79,19 +82,22 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto"):
             return path, False
         except ValueError:
             pass   # damaged: compiled again below
-    with progress_line(f"compiling {os.path.basename(checkpoint)} for "
+    with progress_line(f"compiling {os.path.basename(str(checkpoint))}"
+                       + (f" ({quantize} weights)" if quantize else "") + " for "
                        f"{target.attrs.get('mcpu') or target.kind.name} (first run only; "
                        "cached in " + os.path.dirname(path) + ") ..."):
-        compile_model(model, target=target, out=path, schedules=schedules)
+        compile_model(model, target=target, out=path, schedules=schedules, quantize=quantize,
+                      group_size=group_size)
     return path, True
 
 
 def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0, target=None,
-        checkpoint=SHIPPED):
+        checkpoint=SHIPPED, quantize=None, group_size=None, accuracy_bytes=16384):
     import numpy as np
     import torch
 
     from ..models import HLALM
+    from ..quant import scheme
     from ..runtime import load
     from ..runtime.generate import (
         Eager,
@@ -103,6 +109,7 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     )
     from ..target import is_host_arch, resolve, target_arch
 
+    sch = scheme(quantize, group_size)
     temperature, top_k = sampling(True, temperature, top_k)
     check_sampling(temperature, top_k, seed)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
@@ -120,8 +127,15 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     print(f"hla-tvm demo: {os.path.basename(checkpoint)}, a byte-level second-order HLA model "
           f"({n_params / 1e6:.2f} M parameters, {model.config['n_layers']} layers) trained on "
           "Python's standard library", flush=True)
-    path, _ = compiled_module(model, tgt, checkpoint)
+    path, _ = compiled_module(model, tgt, checkpoint, quantize=quantize, group_size=group_size)
     m = load(path)
+    if sch is not None:
+        from ..quant.torch_weights import dequantized_model
+        from ..runtime.model import scheme_name
+
+        float_model, model = model, dequantized_model(model, sch)   # what the module computes
+        print(f"weights: {scheme_name(m.meta)}, {m.meta['quantize']['bytes'] / 1e6:.2f} MB "
+              f"(float32 {m.meta['quantize']['float_bytes'] / 1e6:.2f} MB)", flush=True)
     decode = text_decoder()
     print("-" * 72)
     sys.stdout.write(prompt)
@@ -158,6 +172,8 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     ok = diff <= TOL * scale
     print(f"max |logit difference| compiled vs PyTorch: {diff:.2e} (logits up to {scale:.1f}; "
           f"{'OK' if ok else 'FAIL'}, tolerance {TOL:g} of that)")
+    if sch is not None:
+        _accuracy(m, float_model, accuracy_bytes)
     used = m.meta.get("schedules") or {}
     how = (f"tuned records {used['records']} for {len(used.get('from_records', []))} kernels"
            if used.get("records") else
@@ -165,6 +181,20 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
            "`hla-tvm tune` makes them)")
     print(f"module: {path} (hla-tvm run it with --prompt TEXT)\nschedules: {how}")
     return 0 if ok else 1
+
+
+def _accuracy(module, float_model, count):
+    """Print the held-out bits/byte of the quantized `module` beside the float32 model's over
+    the first `count` bytes of `hla-tvm train`'s validation split (`hla-tvm eval` for more)."""
+    from .evaluate import ModuleLM, TorchLM, evaluate, held_out_bytes
+
+    ids = held_out_bytes()[:count]
+    with progress_line(f"accuracy: {ids.size:,} held-out bytes through both ..."):
+        ref, got = evaluate([TorchLM(float_model), ModuleLM(module)], ids, 4096)
+    print(f"held-out bits/byte over {ids.size:,} bytes: float32 {ref['bits']:.4f}, "
+          f"{module.meta['quantize']['scheme']} {got['bits']:.4f} "
+          f"({got['bits'] - ref['bits']:+.4f}); largest logit difference "
+          f"{got['max_logit_diff']:.3g}")
 
 
 def _teacher_forced(model, seq, n_prompt):
@@ -198,7 +228,10 @@ DESCRIPTION = ("Compile the shipped model (a second-order HLALM trained on "
                "continuation of the prompt as the compiled module decodes it, then "
                "print decode tokens/s of the compiled module beside the same model "
                "in PyTorch eager mode and the largest logit difference between "
-               "them (exit code 1 when it exceeds 1e-3 of the largest logit).")
+               "them (exit code 1 when it exceeds 1e-3 of the largest logit). With "
+               "--quantize the module's weights are packed (bf16, int8 or int4), PyTorch "
+               "runs the same dequantized weights, and the held-out bits/byte of both "
+               "schemes are printed.")
 
 
 def add_arguments(p):
@@ -212,10 +245,15 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     p.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU, or an llvm target as JSON (as for compile)')
+    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
+                   help="compile the model with its weights packed (as `compile --quantize`)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="input elements per scale (as `compile --group-size`)")
 
 
 def main(args):
     from ..target import parse
 
     return run(prompt=args.prompt, tokens=args.tokens, temperature=args.temperature,
-               top_k=args.top_k, seed=args.seed, target=parse(args.target))
+               top_k=args.top_k, seed=args.seed, target=parse(args.target),
+               quantize=args.quantize, group_size=args.group_size)

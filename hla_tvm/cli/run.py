@@ -79,6 +79,7 @@ def _module_info(path, meta):
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
     from ..bundle import elf_machine
+    from ..runtime.model import scheme_name
 
     host = elf_machine(path)
     lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
@@ -92,6 +93,12 @@ def _module_info(path, meta):
     for key in ("weights_sha256", "onnx_sha256"):
         if meta.get(key):
             lines.append(f"{key}: {meta[key]}")
+    quant = meta.get("quantize")
+    lines.append(f"weights: {scheme_name(meta)}" + (
+        f", {quant.get('packed')} packed ({quant.get('bytes', 0) / 1e6:.2f} MB, float32 "
+        f"{quant.get('float_bytes', 0) / 1e6:.2f} MB)" + (
+            f", {len(quant['kept'])} kept float32 (K not a multiple of the group)"
+            if quant.get("kept") else "") if quant else ""))
     sched = meta.get("schedules")
     if sched is None:
         lines.append("schedules: default (compiled before tuned records were recorded)")

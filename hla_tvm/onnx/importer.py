@@ -285,15 +285,19 @@ def _decode_from_prefill(model):
     return model
 
 
-def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: A001
+def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=None,  # noqa: A001
+            group_size=None):
     """Compile an ONNX language model with hla_tvm::HLA nodes (as `hla_tvm.onnx.export` writes)
     for `target` and write the library to `out`; `hla_tvm.runtime.load` opens it. A prefill
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
-    decode only (the runtime then runs a prompt token by token). schedules: as for
-    `hla_tvm.compile`. Returns `out`."""
+    decode only (the runtime then runs a prompt token by token). schedules, quantize,
+    group_size: as for `hla_tvm.compile` (the graph's float32 weight initializers are the
+    weights quantized). Returns `out`."""
     from .. import validate
     from ..compiler import build, records_folder, resolve_model_target
+    from ..quant import scheme
 
+    sch = scheme(quantize, group_size)
     out = validate.output_path("out", out)
     validate.not_an_input("out", out, path)
     tgt = resolve_model_target(target)   # a bad target fails before any model work
@@ -302,6 +306,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto"):  # noqa: 
 
     with chunks_for(tgt):   # (CUDA: prefill chunks that fit the GPU)
         mod, meta = lm_module(path)
+    meta = {**meta, "quantize": None if sch is None else sch.as_meta()}
     return build(mod, meta, tgt, out, records_path)
 
 

@@ -59,7 +59,23 @@ def _checked_meta(path, raw):
         raise ValueError(f"{path}: module format "
                          f"{meta.get('format') if isinstance(meta, dict) else None!r}, "
                          f"expected {MODULE_FORMAT!r}")
+    quant = meta.get("quantize")
+    if quant is not None and not (
+            isinstance(quant, dict) and isinstance(quant.get("scheme"), str) and
+            (quant.get("group_size") is None or type(quant.get("group_size")) is int)):
+        raise ValueError(f"{path}: its metadata's quantize entry is not a scheme record "
+                         f"(scheme, group_size): {quant!r}")
     return meta
+
+
+def scheme_name(meta):
+    """The weights' scheme a module's metadata records: "float32", or e.g. "int4 (group 32)"."""
+    quant = meta.get("quantize")
+    if not quant:
+        return "float32"
+    group = quant.get("group_size")
+    return quant["scheme"] + (f" (group {group})" if group else
+                              " (per channel)" if quant["scheme"] == "int8" else "")
 
 
 def load(path, device="cpu", threads=None):
@@ -167,9 +183,11 @@ class CompiledModel:
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
         # what a state file names as the model it belongs to: the weights (any target, any
-        # compile of them), else the ONNX file, else this library
+        # compile of them) and their quantization, else the ONNX file, else this library
         self.model_digest = self.meta.get("weights_sha256") or self.meta.get("onnx_sha256") \
             or libfile.check(path).hex()
+        if self.meta.get("quantize"):
+            self.model_digest += "+" + scheme_name(self.meta).replace(" ", "")
 
     def _vm(self):
         """This thread's virtual machine over the shared library."""
@@ -240,8 +258,8 @@ class CompiledModel:
     def load_state(self, path, other_model=False):
         """A state written by save_state, checked against this model (the model digest it
         records, names, shapes, dtypes, finite values); ValueError naming the file and the
-        entry otherwise. other_model=True accepts a state saved by another model (or one that records
-        no model) whose state layout equals this one's."""
+        entry otherwise. other_model=True accepts a state saved by another model (or one that
+        records no model) whose state layout equals this one's."""
         path = os.fspath(path)
         names = [n for n, _, _ in self.state_spec]
         try:
@@ -395,12 +413,14 @@ class CompiledModel:
         if self.on_gpu:   # the module's inputs live on its device
             tokens = self._tvm.runtime.tensor(tokens, self.device)
         chooser = self._chooser(entry, tokens.shape)
+        # (a slice turns the returned array into a list in one pass: iterating it costs an FFI
+        # size call and an index check per element, 16 us a decode step of the demo model)
         if chooser is None:
-            res = list(vm[entry](tokens, *state))
+            res = vm[entry](tokens, *state)[:]
         else:
             chooser.before()
             t0 = time.perf_counter()
-            res = list(vm[entry](tokens, *state))
+            res = vm[entry](tokens, *state)[:]
             chooser.after(time.perf_counter() - t0)
         tensors = res[1:]
         if self.on_gpu:

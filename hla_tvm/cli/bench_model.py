@@ -1,0 +1,252 @@
+"""`hla-tvm bench model`: a whole language model compiled and in the runtimes users would pick,
+timed in one process, in interleaved rounds (each case once per round):
+
+    tvm <scheme>       the compiled module (`hla_tvm.compile`, float32 and each --quantize
+                       scheme), decode in place through its `decode` entry
+    torch              PyTorch eager: the model's forward with its state (its HLA layers run
+                       the operator's PyTorch form)
+    torch.compile      torch.compile of that forward (default mode; the decode step compiled
+                       for the batch, the prefill for the prompt length)
+    onnxruntime        ONNX Runtime on the exported graph (`hla_tvm.onnx.export`: decode=True
+                       for decode; the HLA nodes run as their function bodies)
+    onnxruntime int4   the same graph, its constants folded by ONNX Runtime's basic
+                       optimizations, after ONNX Runtime's own MatMulNBitsQuantizer (4-bit
+                       MatMulNBits, symmetric, block 32): the peer's best at 4 bits
+    floor              reading the weights' bytes once (a PyTorch sum over as many bytes), per
+                       scheme: the time no decode step can beat at batch 1
+
+Decode: tokens/s of batch-B steps; prefill: tokens/s of a T-token prompt from a fresh state,
+logits of every position for every case. Module sizes and the weights' bytes per scheme are
+listed under the table."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+PRESETS = {   # random weights (speed does not depend on them)
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, decay=0.98),
+    "demo": None,   # the shipped model
+    "120m": dict(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, decay=0.98),
+}
+SCHEMES = ("float32", "bf16", "int8", "int4")
+
+
+def load_model(checkpoint=None, preset="demo"):
+    """(HLALM, name): the checkpoint's model, or a preset's (random weights, seed 0)."""
+    from ..models import HLALM
+
+    if checkpoint is not None:
+        return HLALM.load(checkpoint).eval(), os.path.basename(str(checkpoint))
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if PRESETS[preset] is None:
+        from .demo import SHIPPED
+
+        return HLALM.load(SHIPPED).eval(), "demo (shipped)"
+    from .train import init_weights
+
+    torch.manual_seed(0)
+    model = HLALM(**PRESETS[preset])
+    init_weights(model)
+    return model.eval(), f"{preset} (random weights)"
+
+
+def weight_bytes(model):
+    """Bytes of the model's float32 weights (a tied table counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * 4
+    return total
+
+
+def _floor(nbytes):
+    """A step that reads `nbytes` bytes once (a float32 PyTorch sum over as many)."""
+    data = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    return lambda: float(data.sum())
+
+
+def _module_cases(model, schemes, target, batch, prompt):
+    """{name: (decode step, prefill)} and {name: (module bytes, stored weight bytes)} of the
+    compiled module per scheme (from the cache where an earlier run compiled it)."""
+    from ..runtime import load
+    from .demo import compiled_module
+
+    cases, sizes = {}, {}
+    for sch in schemes:
+        quantize = None if sch == "float32" else sch
+        path, _ = compiled_module(model, target, quantize=quantize)
+        mod = load(path)
+        quant = mod.meta.get("quantize") or {}
+        stored = weight_bytes(model) - quant.get("float_bytes", 0) + quant.get("bytes", 0)
+        sizes[f"tvm {sch}"] = (os.path.getsize(path), stored)
+        state = mod.init_state(batch)
+        tok = np.zeros(batch, dtype=np.int64)
+        ids = np.zeros((batch, prompt), dtype=np.int64)
+        cases[f"tvm {sch}"] = (lambda m=mod, s=state, t=tok: m.decode(t, s),
+                               lambda m=mod, i=ids: m.prefill(i, m.init_state(batch)))
+    return cases, sizes
+
+
+def _torch_cases(model, batch, prompt, compiled):
+    """{name: (decode step, prefill)} of PyTorch eager and torch.compile."""
+    tok = torch.zeros(batch, 1, dtype=torch.int64)
+    ids = torch.zeros(batch, prompt, dtype=torch.int64)
+    out = {}
+    forms = [("torch", model)]
+    if compiled:
+        forms.append(("torch.compile", torch.compile(model)))
+    for name, fn in forms:
+        state = {"s": model.init_state(batch)}
+
+        def step(f=fn, st=state):
+            with torch.no_grad():
+                _, st["s"] = f(tok, st["s"])
+
+        def prefill(f=fn):
+            with torch.no_grad():
+                f(ids, None)
+
+        out[name] = (step, prefill)
+    return out
+
+
+def _onnx_cases(model, batch, prompt, folder):
+    """{name: (decode step, prefill)} of ONNX Runtime on the exported graphs, float32 and after
+    MatMulNBitsQuantizer (4 bits, block 32); {} without onnxruntime. A quantizer failure is
+    returned under "onnxruntime int4" as its message."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return {}
+    import onnx
+
+    from ..compiler import flatten_state
+    from ..onnx import export
+
+    dec, pre = os.path.join(folder, "decode.onnx"), os.path.join(folder, "prefill.onnx")
+    export(model, dec, decode=True)
+    export(model, pre)
+    graphs = {"onnxruntime": (dec, pre)}
+    try:
+        import logging
+
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(
+            logging.WARNING)
+
+        quantized = []
+        for path in (dec, pre):
+            # ONNX Runtime's basic optimizations first: they fold the weights' transposes
+            # into constants, the form MatMulNBitsQuantizer takes (a MatMul of a constant)
+            folded = path.replace(".onnx", "-folded.onnx")
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            so.optimized_model_filepath = folded
+            so.log_severity_level = 3
+            ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            q = MatMulNBitsQuantizer(onnx.load(folded), block_size=32, is_symmetric=True)
+            q.process()
+            out = path.replace(".onnx", "-int4.onnx")
+            q.model.save_model_to_file(out, use_external_data_format=False)
+            quantized.append(out)
+        graphs["onnxruntime int4"] = tuple(quantized)
+    except Exception as err:  # noqa: BLE001 - reported in the table's notes
+        graphs["onnxruntime int4"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    cases = {}
+    for name, paths in graphs.items():
+        if isinstance(paths, str):
+            cases[name] = paths
+            continue
+        sd, sp = (ort.InferenceSession(p, opts, providers=["CPUExecutionProvider"])
+                  for p in paths)
+        names = [i.name for i in sd.get_inputs()]
+        state = [x.numpy() for x in flatten_state(model.init_state(batch))]
+        feed = {"s": dict(zip(names, [np.zeros(batch, dtype=np.int64), *state]))}
+
+        def step(sess=sd, f=feed, n=names):
+            outs = sess.run(None, f["s"])
+            f["s"] = dict(zip(n, [f["s"][n[0]], *outs[1:]]))
+
+        ids = {sp.get_inputs()[0].name: np.zeros((batch, prompt), dtype=np.int64)}
+        cases[name] = (step, lambda sess=sp, i=ids: sess.run(None, i))
+    return cases
+
+
+def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, rounds=3,
+        steps=50, peers=True, target=None, json_path=None, out=print):
+    """Time every case (module docstring); print one table and return the report."""
+    from ..compiler import resolve_model_target
+    from .timing import machine, measure_rounds
+
+    tgt = resolve_model_target(target)
+    model, name = load_model(checkpoint, preset)
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    out(f"{name}: {params / 1e6:.2f} M parameters, batch {batch}, prompt {prompt} tokens; "
+        "compiling what the cache lacks ...")
+    cases, sizes = _module_cases(model, schemes, tgt, batch, prompt)
+    notes = []
+    with tempfile.TemporaryDirectory() as folder:
+        if peers:
+            cases.update(_torch_cases(model, batch, prompt, compiled=True))
+            for k, v in _onnx_cases(model, batch, prompt, folder).items():
+                if isinstance(v, str):
+                    notes.append(f"{k}: not run ({v})")
+                else:
+                    cases[k] = v
+        floors = {f"floor {s.split()[1]}": _floor(stored) for s, (_, stored) in sizes.items()}
+        decode = {k: (lambda f=v[0]: [f() for _ in range(steps)]) for k, v in cases.items()}
+        decode.update({k: (lambda f=f: [f() for _ in range(steps)]) for k, f in floors.items()})
+        prefill = {k: v[1] for k, v in cases.items()}
+        t_dec = measure_rounds(decode, rounds)
+        t_pre = measure_rounds(prefill, rounds)
+    rows = {}
+    for k in decode:
+        sec = min(t_dec[k]) / steps
+        rows[k] = {"decode_step_s": sec, "decode_tokens_s": batch / sec,
+                   "decode_median_s": statistics.median(t_dec[k]) / steps}
+        if k in prefill:
+            rows[k]["prefill_s"] = min(t_pre[k])
+            rows[k]["prefill_tokens_s"] = batch * prompt / min(t_pre[k])
+    report = {"model": name, "parameters": params, "batch": batch, "prompt": prompt,
+              "machine": machine(), "target": str(tgt), "rounds": rounds,
+              "sizes": {k: {"module_bytes": a, "weight_bytes": b} for k, (a, b) in sizes.items()},
+              "results": rows, "notes": notes, "date": time.strftime("%Y-%m-%d")}
+    _table(report, out)
+    if json_path:
+        from ..runtime.paths import replacing
+
+        with replacing(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _table(report, out):
+    rows, base = report["results"], report["results"].get("tvm float32")
+    out(f"{'case':<18} {'decode tok/s':>13} {'step':>10} {'vs tvm f32':>11} "
+        f"{'prefill tok/s':>14} {'vs tvm f32':>11}")
+    for k, r in rows.items():
+        dec = f"{r['decode_tokens_s']:>13,.0f} {r['decode_step_s'] * 1e6:>8.1f}us"
+        ratio = f"{base['decode_step_s'] / r['decode_step_s']:>10.2f}x" if base else ""
+        pre = f"{r['prefill_tokens_s']:>14,.0f} " + (
+            f"{base['prefill_s'] / r['prefill_s']:>10.2f}x" if base else "") \
+            if "prefill_s" in r else ""
+        out(f"{k:<18} {dec} {ratio} {pre}")
+    for k, s in report["sizes"].items():
+        out(f"{k}: module {s['module_bytes'] / 1e6:.2f} MB, weights {s['weight_bytes'] / 1e6:.2f}"
+            " MB")
+    for note in report["notes"]:
+        out("note: " + note)
+    m = report["machine"]
+    out(f"({m['cpu']}, {m['cores']} cores, {m['isa']}; {report['date']}; fastest of "
+        f"{report['rounds']} rounds; 'vs tvm f32': its time over this case's)")

@@ -1,0 +1,63 @@
+"""Timing helpers the benchmarks share: cases timed in interleaved rounds, each run started once
+the process's thread pools are idle, and a description of the machine."""
+from __future__ import annotations
+
+import platform
+import time
+
+
+def settle(most=1.0, window=0.005):
+    """Wait, up to `most` seconds, until this process's threads are idle (under a tenth of a
+    core over `window` seconds): thread pools (PyTorch's OpenMP workers, ONNX Runtime's) keep
+    spinning for a while after their work, taking the cores from whatever runs next. Returns
+    whether they went idle in time."""
+    end = time.perf_counter() + most
+    while time.perf_counter() < end:
+        c0 = time.process_time()
+        time.sleep(window)
+        if time.process_time() - c0 < window / 10:
+            return True
+    return False
+
+
+def measure_rounds(cases, runs, number=1, probe=None, busy=None):
+    """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
+    rounds (each round times `number` calls of every case in turn), after each case's warm-up
+    (two calls; the second through `probe(name, fn)` when given): a slow or fast spell of a
+    noisy machine falls on every case alike, not on whichever ran then. `busy` (a dict), when
+    given, gets {name: runs that started before the process went idle (`settle` gave up)}."""
+    for name, fn in cases.items():
+        fn()
+        if probe is None:
+            fn()
+        else:
+            probe(name, fn)
+    times = {name: [] for name in cases}
+    for _ in range(runs):
+        for name, fn in cases.items():
+            if not settle() and busy is not None:
+                busy[name] = busy.get(name, 0) + 1
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times[name].append((time.perf_counter() - t0) / number)
+    return times
+
+
+def machine():
+    """{cpu, cores, isa} of this machine."""
+    from ..runtime import physical_cores
+
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = next((x for x in ("avx512f", "avx2", "sve", "asimd", "neon") if x in flags),
+               platform.machine())
+    return {"cpu": cpu, "cores": physical_cores(), "isa": isa}

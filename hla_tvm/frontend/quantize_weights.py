@@ -1,0 +1,122 @@
+"""Relax rewrite: a model's float32 weights stored packed (`hla_tvm.quant`) and read by kernels
+that dequantize them in their inner loops.
+
+    matmul(x, permute_dims(W [N, K]))  or  matmul(x, W [K, N])   ->  quant.kernels.matmul
+    take(E [N, K], ids, axis=0)                                  ->  quant.kernels.take
+
+with W, E Relax constants (a model's parameters). Every weight is packed once in the [K, N]
+layout a projection reads: an embedding table tied to the output head (one constant, or equal
+bytes) is one packed tensor serving both. A weight whose K does not split into the scheme's
+groups stays float32 (`kept`)."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def quantize_weights(mod, sch):
+    """(`mod` with its weights packed under the scheme `sch`, {"packed": count, "kept":
+    [shapes left float32], "bytes": stored bytes of the packed weights, "float_bytes": their
+    float32 bytes}). The caller's module is unchanged."""
+    import tvm
+    from tvm import relax
+
+    from ..quant import kernels
+    from ..quant.scheme import nbytes, quantize
+
+    matmul_op, permute_op, take_op = (tvm.ir.Op.get(f"relax.{n}")
+                                      for n in ("matmul", "permute_dims", "take"))
+    packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const or None)
+    report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
+
+    def pack(w):
+        """The (q, scale) constants of the float32 [K, N] weight `w`, or None (kept float)."""
+        key = hashlib.sha256(np.ascontiguousarray(w).tobytes() + repr(w.shape).encode())
+        key = key.hexdigest()
+        if key not in packed:
+            if not sch.fits(w.shape[0]):
+                report["kept"].append(list(w.shape))
+                packed[key] = None
+            else:
+                arrays = quantize(sch, w)
+                report["packed"] += 1
+                report["bytes"] += nbytes(arrays)
+                report["float_bytes"] += int(w.nbytes)
+                scale = arrays.get("scale")
+                packed[key] = (relax.const(arrays["q"]),
+                               None if scale is None else relax.const(scale))
+        return packed[key]
+
+    def constant(expr, lookup):
+        """The Relax constant `expr` is (through variable bindings), or None."""
+        seen = 0
+        while isinstance(expr, relax.Var) and seen < 64:
+            bound = lookup(expr)
+            if bound is None:
+                return None, None
+            expr, seen = bound, seen + 1
+        return (expr, None) if isinstance(expr, tvm.ir.expr.Constant) else (None, expr)
+
+    def float_matrix(const):
+        data = const.value.numpy()
+        return data if data.dtype == np.float32 and data.ndim == 2 else None
+
+    @relax.expr_functor.mutator
+    class _Quantize(relax.PyExprMutator):
+        def _weight(self, expr):
+            """The float32 [K, N] weight a matmul's right operand is, or None."""
+            const, call = constant(expr, self.lookup_binding)
+            if const is not None:
+                return float_matrix(const)
+            if isinstance(call, relax.Call) and call.op.same_as(permute_op):
+                axes = call.attrs.axes
+                if axes is None or [int(a) for a in axes] == [1, 0]:
+                    inner, _ = constant(call.args[0], self.lookup_binding)
+                    data = None if inner is None else float_matrix(inner)
+                    return None if data is None else np.ascontiguousarray(data.T)
+            return None
+
+        def _call(self, name, data, w):
+            """call_tir of the kernel `name` ("matmul": data = x; "take": data = ids)."""
+            q, scale = pack(w)
+            k, n = w.shape
+            extra = dict(sch=sch, k=k, n=n, group=sch.group(k))
+
+            def te_fn(arg, qt, *st):
+                s = st[0] if st else None   # (bf16 has no scales)
+                if name == "matmul":
+                    return kernels.matmul(arg, qt, s, **extra)
+                return kernels.take(qt, s, arg, **extra)
+
+            return self.builder_.call_te(te_fn, data, q, *([] if scale is None else [scale]),
+                                         primfunc_name_hint=f"{sch.name}_{name}")
+
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op.same_as(matmul_op):
+                x = call.args[0]
+                if getattr(x.ty, "dtype", None) != "float32" or \
+                        call.attrs.out_dtype not in (None, "", "float32", "void"):
+                    return call
+                w = self._weight(call.args[1])
+                if w is None or pack(w) is None:
+                    return call
+                return self._call("matmul", x, w)
+            if call.op.same_as(take_op) and int(call.attrs.axis) == 0:
+                const, _ = constant(call.args[0], self.lookup_binding)
+                table = None if const is None else float_matrix(const)
+                if table is None:
+                    return call
+                w = np.ascontiguousarray(table.T)
+                if pack(w) is None:
+                    return call
+                return self._call("take", call.args[1], w)
+            return call
+
+    mutator = _Quantize(mod)
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(
+                mutator.visit_expr(func)))
+    return mutator.builder_.get(), report

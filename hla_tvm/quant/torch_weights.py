@@ -1,0 +1,36 @@
+"""A PyTorch model with its weights replaced by what a quantized module computes with: the
+float32 weights a scheme's packed values dequantize to (`scheme.dequantize`), for checking a
+quantized module against PyTorch and for measuring a scheme's accuracy in PyTorch."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .scheme import dequantize, quantize
+
+
+def dequantized_weight(sch, weight):
+    """The float32 tensor `weight` ([N, K] as nn.Linear keeps it, or an embedding table
+    [rows, K]) after packing under `sch` and unpacking, as the compiled kernels see it (packed
+    in the [K, N] layout); unchanged where K does not split into the scheme's groups."""
+    w = weight.detach().float().cpu().numpy().T
+    if not sch.fits(w.shape[0]):
+        return weight.detach().float().clone()
+    return torch.from_numpy(dequantize(sch, quantize(sch, w)).T.copy()).to(weight.device)
+
+
+def dequantized_model(model, sch):
+    """A copy of `model` (float32) whose nn.Linear and nn.Embedding weights are
+    `dequantized_weight`s (a weight shared by several modules, a tied head, stays shared)."""
+    out = copy.deepcopy(model).float()
+    done = {}
+    with torch.no_grad():
+        for module in out.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                w = module.weight
+                if id(w) not in done:
+                    done[id(w)] = dequantized_weight(sch, w)
+                    w.copy_(done[id(w)])
+    return out

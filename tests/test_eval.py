@@ -1,0 +1,41 @@
+"""`hla-tvm eval`: the bits a model's predictions cost over a text, against the float64 cross
+entropy of one PyTorch forward pass over the whole sequence."""
+import json
+import math
+
+import torch
+
+from hla_tvm.cli import main
+
+
+def test_bits_per_token_equal_one_forward_pass(compiled_lm, tmp_path, capsys):
+    model, lib = compiled_lm("hla2")
+    ckpt = tmp_path / "model.pt"
+    model.save(ckpt)
+    ids = torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(5))
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids.tolist())))
+    with torch.no_grad():
+        logits, _ = model.double()(ids[None], None)
+    model.float()
+    want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[1:]).item() / math.log(2)
+    assert main(["eval", str(ckpt), str(lib), "--file", str(tmp_path / "ids.txt"),
+                 "--piece", "7", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "bits/token" in out and "float32 (compiled)" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["tokens"] == 300 and report["unit"] == "bits/token"
+    for row in report["models"]:
+        assert abs(row["bits"] - want) < 1e-4, row
+    assert report["models"][1]["max_logit_diff"] < 1e-3
+
+
+def test_eval_refuses_ids_beyond_the_vocabulary_in_one_line(compiled_lm, tmp_path, capsys):
+    _, lib = compiled_lm("hla2")
+    (tmp_path / "ids.txt").write_text("1 2 3 40")
+    assert main(["eval", str(lib), "--file", str(tmp_path / "ids.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "token id 40 is not below its vocabulary size 40" \
+        in err, err
+    (tmp_path / "words.txt").write_text("one two")
+    assert main(["eval", str(lib), "--file", str(tmp_path / "words.txt")]) == 2
+    assert "whitespace-separated token ids" in capsys.readouterr().err
