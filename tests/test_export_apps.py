@@ -84,6 +84,38 @@ def test_cpp_app_sampling_is_seeded_and_bad_arguments_fail(app, module):
     assert run.returncode == 1 and "hla_tvm_app:" in run.stderr
 
 
+@pytest.fixture(scope="module")
+def int4_module(tmp_path_factory):
+    torch.manual_seed(1)
+    model = HLALM(40, 32, 2, 4, chunk_size=16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)
+    path = tmp_path_factory.mktemp("cpp_int4") / "model.so"
+    compile_model(model, out=path, schedules="default", quantize="int4")
+    return str(path)
+
+
+@needs_cmake
+def test_the_apps_run_a_quantized_module_unchanged(app, int4_module):
+    """A module with int4 weights: the C++ app and the Python script give the runtime's greedy
+    tokens (the packed weights and the dequantizing kernels are the module's own)."""
+    import sys
+
+    prompt = [5, 9, 2, 33, 7, 1, 0, 12]
+    want = _greedy(int4_module, prompt, 20)
+    run = subprocess.run([app, int4_module, "--prompt", ",".join(map(str, prompt)), "--steps",
+                          "20"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert [int(t) for t in run.stdout.split()] == want
+    script = os.path.join(ROOT, "export", "python", "generate.py")
+    run = subprocess.run([sys.executable, script, int4_module, "--prompt",
+                          ",".join(map(str, prompt)), "--steps", "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert [int(t) for t in run.stdout.split()] == want
+
+
 BLOCK = """
 import sys
 class _Block:

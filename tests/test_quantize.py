@@ -209,3 +209,51 @@ def test_states_and_metadata_of_another_scheme_are_refused(tmp_path_factory, tmp
     with pytest.raises(ValueError, match="quantize entry is not a scheme record") as err:
         runtime.load(bad)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, group", [("int4", 32), ("int8", None), ("bf16", None)])
+def test_onnx_file_with_quantized_weights_runs_everywhere_and_compiles_alike(name, group,
+                                                                            tmp_path):
+    """export(quantize=): standard DequantizeLinear (INT4/INT8, opset 21) or a Cast of BFLOAT16
+    initializers, checked by onnx.checker; ONNX Runtime runs it as PyTorch runs the dequantized
+    weights; hla_tvm.onnx.compile of the file takes the scheme it records and gives the logits
+    of the checkpoint compiled with that scheme."""
+    import onnx
+    import onnxruntime as ort
+
+    from hla_tvm import onnx as hla_onnx, runtime
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+    from hla_tvm.quant.torch_weights import dequantized_model
+
+    torch.manual_seed(0)
+    model = HLALM(40, 32, 2, 4, chunk_size=16).eval()
+    sch = scheme(name, group)
+    path = tmp_path / "model.onnx"
+    proto = hla_onnx.export(model, path, quantize=name, group_size=group)
+    kinds = [n.op_type for n in proto.graph.node]
+    assert kinds.count("Cast" if name == "bf16" else "DequantizeLinear") >= 2 * 7 + 1
+    onnx.checker.check_model(onnx.load(path), full_check=True)
+    tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want, _ = dequantized_model(model, sch)(tokens, None)
+    # the file's own meaning: every node as the standard defines it (ONNX Runtime's default
+    # optimizations fuse DequantizeLinear and MatMul into kernels that round the activations
+    # to 8 bits, 5e-3 off here: its choice, run below)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    exact = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    got = exact.run(None, {"tokens": tokens.numpy()})[0]
+    assert rel_err(torch.from_numpy(got), want) <= 1e-4
+    fused = hla_onnx.session(path).run(None, {"tokens": tokens.numpy()})[0]
+    assert rel_err(torch.from_numpy(fused), want) <= 2e-2
+    lib = hla_onnx.compile(path, out=tmp_path / "onnx.so")
+    ref = compile_model(model, out=tmp_path / "ckpt.so", quantize=name, group_size=group)
+    a, b = runtime.load(lib), runtime.load(ref)
+    assert a.meta["quantize"]["scheme"] == name and a.meta["quantize"]["packed"] >= 15
+    la = a.prefill(tokens.numpy(), a.init_state(2))[0]
+    lb = b.prefill(tokens.numpy(), b.init_state(2))[0]
+    assert np.abs(la - lb).max() <= 1e-5 * np.abs(lb).max()
+    with pytest.raises(ValueError, match="already"):
+        hla_onnx.compile(path, out=tmp_path / "other.so",
+                         quantize="int8" if name != "int8" else "int4")

@@ -73,7 +73,7 @@ def _floor(nbytes):
     return lambda: float(data.sum())
 
 
-def _module_cases(model, schemes, target, batch, prompt):
+def _module_cases(model, name, schemes, target, batch, prompt):
     """{name: (decode step, prefill)} and {name: (module bytes, stored weight bytes)} of the
     compiled module per scheme (from the cache where an earlier run compiled it)."""
     from ..runtime import load
@@ -82,7 +82,7 @@ def _module_cases(model, schemes, target, batch, prompt):
     cases, sizes = {}, {}
     for sch in schemes:
         quantize = None if sch == "float32" else sch
-        path, _ = compiled_module(model, target, quantize=quantize)
+        path, _ = compiled_module(model, target, checkpoint=name, quantize=quantize)
         mod = load(path)
         quant = mod.meta.get("quantize") or {}
         stored = weight_bytes(model) - quant.get("float_bytes", 0) + quant.get("bytes", 0)
@@ -194,7 +194,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     out(f"{name}: {params / 1e6:.2f} M parameters, batch {batch}, prompt {prompt} tokens; "
         "compiling what the cache lacks ...")
-    cases, sizes = _module_cases(model, schemes, tgt, batch, prompt)
+    cases, sizes = _module_cases(model, name, schemes, tgt, batch, prompt)
     notes = []
     with tempfile.TemporaryDirectory() as folder:
         if peers:

@@ -8,8 +8,11 @@ from .args import describe_target, positive
 
 def add_arguments(p):
     """The command's options."""
-    p.add_argument("checkpoint", help="a checkpoint written by HLALM.save, or a .onnx file with "
-                                      "hla_tvm::HLA nodes")
+    p.add_argument("checkpoint", metavar="MODEL",
+                   help="a checkpoint written by HLALM.save, a .onnx file with hla_tvm::HLA "
+                        "nodes, or module:factory, a Python module and a function in it that "
+                        "returns your own model (forward(tokens, state) -> (logits, state) and "
+                        "init_state(batch); README, 'Your own model')")
     p.add_argument("-o", "--output", default="model.so", help="output library")
     p.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU, a preset (x86-64, aarch64, cuda), a TVM target '
@@ -65,9 +68,9 @@ def main(args):
                            group_size=args.group_size)
     else:
         from ..compiler import compile as compile_model
-        from ..models import HLALM
+        from ..models.source import load
 
-        model = HLALM.load(args.checkpoint)
+        model = load(args.checkpoint)
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
               f"parameters) for {describe_target(tgt)} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 def add_arguments(p):
     """The command's options."""
-    p.add_argument("checkpoint", help="a checkpoint written by HLALM.save")
+    p.add_argument("checkpoint", metavar="MODEL",
+                   help="a checkpoint written by HLALM.save, or module:factory (a Python module "
+                        "and a function in it that returns your own model, as for compile)")
     p.add_argument("-o", "--output", default="model.onnx", help="output file")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--decode", action="store_true",
@@ -14,20 +16,29 @@ def add_arguments(p):
     which.add_argument("--from-state", action="store_true",
                    help="the prefill graph also takes the state to continue from (by default "
                         "it starts a fresh sequence from the tokens alone)")
+    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
+                   help="store the weights so, in standard ops (DequantizeLinear of INT8/INT4 "
+                        "initializers, opset 21; bf16: a Cast), as `compile --quantize` packs "
+                        "them")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="input elements per scale (as for compile)")
 
 
 def main(args):
     from .. import validate
-    from ..models import HLALM
+    from ..models.source import load
     from ..onnx import export
+    from ..quant import scheme
 
+    scheme(args.quantize, args.group_size)   # a bad scheme fails before any model work
     validate.output_path("-o", args.output)
     validate.not_an_input("-o", args.output, args.checkpoint)
-    model = HLALM.load(args.checkpoint)
+    model = load(args.checkpoint)
     entry = "decode step" if args.decode else "prefill from a given state" if args.from_state \
         else "prefill"
     print(f"exporting {args.checkpoint} ({entry}) to ONNX ...", flush=True)
-    proto = export(model, args.output, decode=args.decode, from_state=args.from_state)
+    proto = export(model, args.output, decode=args.decode, from_state=args.from_state,
+                   quantize=args.quantize, group_size=args.group_size)
     n = sum(1 for node in proto.graph.node if node.domain == "hla_tvm")
     bodies = len(proto.functions)
     print(f"wrote {args.output}: {len(proto.graph.node)} nodes, {n} hla_tvm::HLA, "

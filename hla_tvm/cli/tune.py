@@ -49,12 +49,17 @@ def add_arguments(p):
                    help="measure on devices registered with this TVM RPC tracker (python -m "
                         "tvm.exec.rpc_tracker) instead of this machine; candidates are built "
                         "here (cross-linked for an aarch64 --target)")
+    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
+                   help="with a model: tune the projections of its module with weights "
+                        "packed so (as `compile --quantize`: the dequantizing products)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="with --quantize: input elements per scale (as for compile)")
     p.add_argument("--rpc-key", default=None, metavar="KEY",
                    help="the key the device's server registered with (python -m "
                         "tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
 
 
-def _model_kernels(path, target):
+def _model_kernels(path, target, sch=None):
     """The tunable functions of the model at `path` (a checkpoint or an ONNX file) as `compile`
     builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
     shapes at the tuning shape)}."""
@@ -70,7 +75,8 @@ def _model_kernels(path, target):
         from ..models import HLALM
 
         mod = to_relax(HLALM.load(path))
-    found = tunable(prepare(mod, target), target)
+    found = tunable(prepare(mod, target) if sch is None else prepare(mod, target, sch)[0],
+                    target)
     if not found:
         raise ValueError(f"{path}: the model holds no HLA kernels or projections to tune")
     return found
@@ -94,8 +100,13 @@ def main(args):
         raise ValueError(f"this machine cannot run code for {target.attrs.get('mtriple')}: "
                          "measure on the device with --rpc-tracker HOST:PORT --rpc-key KEY")
     runner = tune.rpc_runner(*rpc) if rpc else None   # (an unreachable tracker fails here)
+    from ..quant import scheme
+
+    sch = scheme(args.quantize, args.group_size)
+    if sch is not None and not args.model:
+        raise ValueError("--quantize applies to a model's projections: give a model")
     if args.model:
-        kernels, what = _model_kernels(args.model, target), args.model
+        kernels, what = _model_kernels(args.model, target, sch), args.model
     else:
         op = ops.get(3 if args.op == "hla3" else 2, args.op == "ahla")
         if args.heads % args.kv_heads:

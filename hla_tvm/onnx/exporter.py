@@ -103,16 +103,22 @@ def _quiet():
         logger.setLevel(level)
 
 
-def export(model, path, example_tokens=None, *, decode=False, from_state=False):
+def export(model, path, example_tokens=None, *, decode=False, from_state=False, quantize=None,
+           group_size=None):
     """Write `model` (an HLALM-like `hla_tvm` model) to `path` as ONNX; returns the ModelProto.
 
     The prefill graph takes tokens [B, T] alone and starts a fresh sequence; with
     from_state=True it also takes the state to continue from. decode=True exports the
     one-token step (tokens [B] and state in). Both return logits and the new state.
     example_tokens: int tensor [B, T] used to trace (any values; default zeros [2, 8]).
-    Batch and length stay dynamic."""
+    Batch and length stay dynamic.
+    quantize, group_size: as for `hla_tvm.compile`; the weights are stored so in standard ops
+    (`onnx.quantized`: DequantizeLinear of INT8/INT4 initializers, opset 21)."""
     from torch.export import Dim
 
+    from ..quant import scheme
+
+    sch = scheme(quantize, group_size)
     from ..compiler import Decode, Fresh, Prefill, flat_state_spec, flatten_state
 
     for attr in ("init_state", "forward"):
@@ -143,6 +149,13 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False):
             report=False, verbose=False)
     proto = program.model_proto
     _trim_unused_outputs(proto)
+    if sch is not None:   # the graph's ops mean the same at opset 21 (types were added)
+        from . import quantized
+
+        for o in proto.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = quantized.OPSET
+        quantized.quantize_initializers(proto, sch)
     function.add_functions(proto)
     meta = {META_FORMAT: FORMAT, META_ENTRY: "decode" if decode else "prefill",
             META_STATE: json.dumps(spec), META_CONFIG: json.dumps(getattr(model, "config", None))}

@@ -5,11 +5,11 @@ over time, so any conforming runtime runs a model that carries them (ModelProto.
         -> (o [B, H, T, Dv], *state)
 
 Attributes: order (2 or 3), asymmetric, masked, normalize (0/1), eps, ridge, decay (floats).
-The optional input `decay_heads` (one gamma per query head) replaces the scalar attribute; state inputs
-are all given or all omitted (omitted: a fresh sequence, zeros). State entries, in order: second
-order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as the operators' references);
-entries built from k, v alone (`Operator.kv_state`) have Hkv heads. The recurrences are those of
-`hla_tvm.ops.{hla2, ahla, hla3}.reference.step`, float32.
+The optional input `decay_heads` (one gamma per query head) replaces the scalar attribute; state
+inputs are all given or all omitted (omitted: a fresh sequence, zeros). State entries, in order:
+second order S, C, m, G, h; AHLA P, m, E, n; third order S, P, m, F, eta (as the operators'
+references); entries built from k, v alone (`Operator.kv_state`) have Hkv heads. The recurrences
+are those of `hla_tvm.ops.{hla2, ahla, hla3}.reference.step`, float32.
 
 The body's structure depends on the structural attributes and on which optional inputs are
 present, so each combination is its own FunctionProto, told apart by the node's and the
@@ -154,8 +154,10 @@ def _first_of_group(b, x, shapes):
 
 
 def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
-                  state_input=True):
-    """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring)."""
+                  state_input=True, opset=OPSET):
+    """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring), importing
+    the standard ops at `opset` (the model's: OPSET, or 21 in a file with quantized weights;
+    the ops it uses mean the same in both)."""
     op = (order, asymmetric)
     if op not in STATE_NAMES:
         raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator")
@@ -206,7 +208,7 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
     defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
     return helper.make_function(
         DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
-        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", OPSET)],
+        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", opset)],
         attribute_protos=defaults,
         overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
 
@@ -309,17 +311,23 @@ def hla_nodes(graph):
     return [n for n in graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
 
 
+def model_opset(model):
+    """The version of the standard ops `model` imports."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), OPSET)
+
+
 def add_functions(model):
     """Attach the function body every `hla_tvm::HLA` node of `model` needs (setting each node's
     overload; bodies already present are kept) and import the hla_tvm domain. Returns model."""
     have = {(f.domain, f.name, f.overload) for f in model.functions}
+    opset = model_opset(model)
     for n in hla_nodes(model.graph):
         var = node_variant(n)
         n.overload = var["overload"]
         if (DOMAIN, OP_TYPE, var["overload"]) not in have:
             model.functions.append(make_function(
                 var["order"], var["asymmetric"], var["masked"], var["normalize"],
-                var["decay_input"], var["state_input"]))
+                var["decay_input"], var["state_input"], opset))
             have.add((DOMAIN, OP_TYPE, var["overload"]))
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
@@ -346,7 +354,8 @@ def check_functions(model, require=True):
                 "without hla_tvm cannot run it; add it with hla_tvm.onnx.add_functions(model)")
         if key not in checked:
             want = make_function(var["order"], var["asymmetric"], var["masked"],
-                                 var["normalize"], var["decay_input"], var["state_input"])
+                                 var["normalize"], var["decay_input"], var["state_input"],
+                                 model_opset(model))
             if _body(have[key]) != _body(want):
                 raise ValueError(
                     f"{describe(n)}: the model's function body for overload {n.overload!r} is "

@@ -141,8 +141,8 @@ def _convert_hla(bb, inputs, attrs):
                          f"k {shapes['k']}, v {shapes['v']}")
     decay = inputs[3] if len(inputs) > 3 else None
     if decay is not None:
-        if _shape(decay, node, "decay_heads") != [H] and \
-                [_static(d, node, "decay_heads") for d in _shape(decay, node, "decay_heads")] != [H]:
+        dims = _shape(decay, node, "decay_heads")
+        if dims != [H] and [_static(d, node, "decay_heads") for d in dims] != [H]:
             raise ValueError(f"HLA node {node!r}: decay_heads must have shape [{H}]")
     elif get_attr("decay") != 1.0:
         decay = relax.const(np.full(H, get_attr("decay"), dtype="float32"))
@@ -292,10 +292,11 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). schedules, quantize,
     group_size: as for `hla_tvm.compile` (the graph's float32 weight initializers are the
-    weights quantized). Returns `out`."""
+    weights quantized); a file exported with quantize= compiles under the scheme it records.
+    Returns `out`."""
     from .. import validate
     from ..compiler import build, records_folder, resolve_model_target
-    from ..quant import scheme
+    from ..quant import from_meta, scheme
 
     sch = scheme(quantize, group_size)
     out = validate.output_path("out", out)
@@ -306,6 +307,12 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
 
     with chunks_for(tgt):   # (CUDA: prefill chunks that fit the GPU)
         mod, meta = lm_module(path)
+    recorded = from_meta(meta)
+    if recorded is not None and sch is not None and sch != recorded:
+        raise ValueError(f"{path}: its weights are stored as {recorded.name} (group "
+                         f"{recorded.group_size}) already; compile it without quantize= or "
+                         f"with the same scheme, not {sch.name} (group {sch.group_size})")
+    sch = sch or recorded
     meta = {**meta, "quantize": None if sch is None else sch.as_meta()}
     return build(mod, meta, tgt, out, records_path)
 
@@ -314,9 +321,14 @@ def lm_module(path):
     """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
     language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
     from ..compiler import MODULE_FORMAT, merge_entries
+    from .quantized import dequantized
 
     model = load_model(path)
     digest = content_digest(model)
+    try:
+        model, sch = dequantized(model)   # packed again by the compile, under the same scheme
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
         model = with_state_inputs(model)
     sig = lm_signature(model)
@@ -326,5 +338,6 @@ def lm_module(path):
         mods = {"decode": to_relax(model)}
     meta = {"format": MODULE_FORMAT, "state": sig["state"], "vocab_size": sig["vocab_size"],
             "config": sig["config"], "entries": sorted(mods), "source": "onnx",
-            "max_batch": None, "onnx_sha256": digest}
+            "max_batch": None, "onnx_sha256": digest,
+            "quantize": None if sch is None else sch.as_meta()}
     return merge_entries(mods), meta
