@@ -1,4 +1,5 @@
-"""Argument checks shared by every entry point: clear ValueError/TypeError before any kernel runs."""
+"""Argument checks shared by every entry point: clear ValueError/TypeError before any kernel
+runs."""
 from __future__ import annotations
 
 import contextlib
@@ -7,12 +8,11 @@ import numbers
 
 import torch
 
+# The compiled kernels assume ALIGN-byte aligned data (TVM's allocation alignment) and load it
+# with aligned vector instructions: a tensor that starts elsewhere (a view at an odd offset) is
+# copied on the way in (`aligned`), and a state or output updated in place is refused.
+from .runtime.model import ALIGN
 from .runtime.paths import not_an_input, output_path  # noqa: F401  (every entry point's checks)
-
-# The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
-# aligned vector instructions: a tensor that starts elsewhere (a view at an odd offset) is copied
-# on the way in (`aligned`), and a state or output updated in place is refused.
-ALIGN = 64
 
 
 def aligned(x):
@@ -24,7 +24,8 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def qkv(q, k, v):
-    """Check q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]; returns (B, H, Hkv, T, Dk, Dv)."""
+    """Check q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]; returns
+    (B, H, Hkv, T, Dk, Dv)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -24,6 +24,7 @@ from hla_tvm.runtime import cache, libfile, load, paths
 
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
 FAST = {
+    "test_token_ids_at_any_address_reach_the_kernels_aligned",
     "test_compile_and_export_refuse_to_overwrite_their_input",
     "test_cache_clear_removes_only_the_caches_own_files",
     "test_writes_replace_a_planted_link_and_never_write_its_target",
@@ -436,3 +437,35 @@ def test_the_cache_helpers_know_their_names(tmp_path, monkeypatch):
     folder = cache.folder("models")
     assert stat.S_IMODE(os.stat(tmp_path / "c").st_mode) == 0o700 and os.path.isdir(folder)
     assert cache.entries() == [] and cache.others() == []
+
+
+def test_token_ids_at_any_address_reach_the_kernels_aligned(compiled_lm):
+    """The kernels load 64-byte aligned data with aligned vector instructions; numpy allocates
+    16-byte aligned: eight int64 token ids (one AVX-512 vector) at another address crashed a
+    decode step (SIGSEGV in the first kernel). Ids at every 8-byte offset give the aligned
+    ids' logits (in a child process: a crash fails the test, not the session)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    _, lib = compiled_lm("hla2")
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from hla_tvm.runtime import load
+        m = load({str(lib)!r}, threads=1)
+        want = None
+        for offset in range(0, 64, 8):
+            raw = np.zeros(8 * 8 + 64 + offset, dtype=np.uint8)
+            start = (-raw.ctypes.data % 64) + offset
+            ids = raw[start:start + 64].view(np.int64)
+            ids[:] = np.arange(8) * 3
+            st = m.init_state(8)
+            logits, st = m.decode(ids, st)
+            logits, st = m.decode(ids, st)
+            want = logits if want is None else want
+            assert np.array_equal(logits, want), offset
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout + run.stderr[-2000:]

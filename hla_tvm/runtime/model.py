@@ -27,6 +27,9 @@ from .pool import Adaptive, env_threads, import_tvm_runtime as _import_tvm_runti
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
 STATE_MODEL = "hla_tvm.model"   # a state file's entry: the digest of the model it belongs to
+# The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
+# aligned vector instructions: data that starts elsewhere is copied on the way in
+ALIGN = 64
 
 
 def read_meta(path):
@@ -412,6 +415,8 @@ class CompiledModel:
         batch = tokens.shape[0]
         if self.on_gpu:   # the module's inputs live on its device
             tokens = self._tvm.runtime.tensor(tokens, self.device)
+        else:   # (numpy allocates 16-byte aligned: 8 int64 token ids crashed a decode step)
+            tokens = aligned_array(tokens)
         chooser = self._chooser(entry, tokens.shape)
         # (a slice turns the returned array into a list in one pass: iterating it costs an FFI
         # size call and an index check per element, 16 us a decode step of the demo model)
@@ -446,6 +451,18 @@ def _view(tensor):
     view = np.from_dlpack(tensor)
     _OURS[id(view)] = view
     return view
+
+
+def aligned_array(a):
+    """The contiguous numpy array `a` when its data is ALIGN-byte aligned, else an aligned copy
+    (what a module's kernels may be given without a copy through DLPack)."""
+    if a.ctypes.data % ALIGN == 0 and a.flags.c_contiguous:
+        return a
+    raw = np.empty(a.nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _tvm_ffi():
