@@ -3,7 +3,8 @@ models (bits per token for others), the difference to the first model, and the l
 difference to it over the same tokens.
 
 A model is a compiled module (`.so`, run by TVM's runtime alone: quantized modules as they
-ship) or a checkpoint (`HLALM.save`, run by PyTorch in float32). The text runs through each
+ship), a checkpoint (`HLALM.save`) or `module:factory` (`models.source`), both run by PyTorch in
+float32. The text runs through each
 model as one sequence, `--piece` tokens per prefill call with the state carried, so every
 prediction sees all the text before it."""
 from __future__ import annotations
@@ -19,8 +20,9 @@ from .args import positive
 def add_arguments(p):
     """The command's options."""
     p.add_argument("models", nargs="+", metavar="MODEL",
-                   help="compiled modules (.so) or checkpoints (HLALM.save); the first is the "
-                        "reference of the differences")
+                   help="compiled modules (.so), checkpoints (HLALM.save) or module:factory "
+                        "(your own model, in PyTorch); the first is the reference of the "
+                        "differences")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--file", help="the text: its bytes for byte-level models, "
                                      "whitespace-separated token ids for others")
@@ -56,8 +58,9 @@ class TorchLM:
     def __init__(self, model, weights="float32 (PyTorch)"):
         self.model = model.eval().float()
         self.state = None
-        self.vocab = model.config.get("vocab")
-        self.vocab_size = model.config["vocab_size"]
+        config = getattr(model, "config", None) or {}
+        self.vocab = config.get("vocab")
+        self.vocab_size = config.get("vocab_size")
         self.weights = weights
 
     def logits(self, piece):
@@ -73,9 +76,9 @@ def _open(path):
         from ..runtime import load
 
         return ModuleLM(load(path))
-    from ..models import HLALM
+    from ..models.source import load
 
-    return TorchLM(HLALM.load(path))
+    return TorchLM(load(path))
 
 
 def held_out_bytes():
