@@ -12,6 +12,21 @@ from hla_tvm.ops.ahla import reference as ahla
 from hla_tvm.ops.hla2 import reference as hla2
 from hla_tvm.ops.hla3 import reference as hla3
 
+# the shared checks each module keeps whole in the fast subset (`-m "not slow"`: the reference's
+# and the PyTorch forms'); of the compiled kernels' checks a module names the cases it keeps
+FAST = {
+    "test_chunked_equals_serial_with_decay",
+    "test_fast_chunked_family_matches_serial",
+    "test_fast_chunked_tiny_decay_stays_finite",
+    "test_fast_steps_match_serial",
+    "test_gradients_match_quadratic_form",
+    "test_grouped_heads_equal_repeated_heads",
+    "test_padding_equals_removing_it",
+    "test_per_head_decay",
+    "test_serial_equals_quadratic",
+    "test_torch_backend_token_by_token_equals_serial",
+}
+
 # operator -> (float64 reference, hla()'s keywords for it)
 REFS = {"hla2": (hla2, dict()), "ahla": (ahla, dict(asymmetric=True)),
         "hla3": (hla3, dict(order=3))}

@@ -28,16 +28,21 @@ def app(cpp_app):
     return cpp_app
 
 
-@pytest.fixture(scope="module")
-def module(tmp_path_factory):
+def _compiled(tmp_path_factory, folder, **options):
+    """The apps' model compiled (with `options` for `hla_tvm.compile`) into `folder`."""
     torch.manual_seed(1)
     model = HLALM(40, 32, 2, 4, chunk_size=16).eval()
     with torch.no_grad():   # larger weights: greedy tokens that depend on the context
         for p in model.parameters():
             p.mul_(4)
-    path = tmp_path_factory.mktemp("cpp_model") / "model.so"
-    compile_model(model, out=path, schedules="default")
+    path = tmp_path_factory.mktemp(folder) / "model.so"
+    compile_model(model, out=path, schedules="default", **options)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    return _compiled(tmp_path_factory, "cpp_model")
 
 
 # a prompt past one prefill piece (4096 tokens): pieces [0, 4080, 4097] at chunk 16 (no
@@ -86,14 +91,7 @@ def test_cpp_app_sampling_is_seeded_and_bad_arguments_fail(app, module):
 
 @pytest.fixture(scope="module")
 def int4_module(tmp_path_factory):
-    torch.manual_seed(1)
-    model = HLALM(40, 32, 2, 4, chunk_size=16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4)
-    path = tmp_path_factory.mktemp("cpp_int4") / "model.so"
-    compile_model(model, out=path, schedules="default", quantize="int4")
-    return str(path)
+    return _compiled(tmp_path_factory, "cpp_int4", quantize="int4")
 
 
 @needs_cmake

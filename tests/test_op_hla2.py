@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import make_qkv, rel_err
 from operator_checks import (  # noqa: F401  (the shared checks, run for OP)
+    FAST as SHARED_FAST,
     test_chunked_equals_serial_with_decay,
     test_decayed_chunks_equal_serial_over_many_chunks,
     test_family_matches_serial,
@@ -27,27 +28,18 @@ from hla_tvm.ops.hla2 import reference as ref
 OP = "hla2"   # the operator of this module's checks (the `op` fixture)
 
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
-FAST = {
-    "test_torch_backend_token_by_token_equals_serial",
+FAST = SHARED_FAST | {
     "test_caller_state_is_not_modified",
     "test_chunked_equals_serial",
-    "test_chunked_equals_serial_with_decay",
     "test_family_matches_serial[0.9-False-False-float32]",
     "test_fast_chunked_matches_quadratic_and_serial",
-    "test_fast_chunked_tiny_decay_stays_finite",
     "test_fast_hla2_step_options",
-    "test_fast_steps_match_serial",
     "test_figure_1c_without_middle_term_is_wrong",
-    "test_gradients_match_quadratic_form",
-    "test_grouped_heads_equal_repeated_heads",
     "test_hla2_decay_with_mask_and_ridge_options",
     "test_matches_quadratic_form[77]",
     "test_options_match_serial_recurrence[masked=False-normalize=True-ridge=0.5]",
-    "test_padding_equals_removing_it",
     "test_paper_decayed_scan_operator_is_not_algorithm_1",
-    "test_per_head_decay",
     "test_serial_decay_matches_algorithm_1_by_hand",
-    "test_serial_equals_quadratic",
     "test_state_carry_prefill_prefill_decode",
     "test_state_continues_the_sequence",
 }

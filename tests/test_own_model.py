@@ -1,22 +1,18 @@
 """A user's own architecture (the README's "Your own model" example, taken from the README as
 written) compiled and exported from the command line as module:factory, against PyTorch."""
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from conftest import rel_err
+from test_readme import snippets
 
 from hla_tvm.cli import main
 
 pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _example():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return next(b for b in blocks if "class TinyLM" in b)
+    return next(b for b in snippets() if "class TinyLM" in b)
 
 
 def test_module_factory_compiles_and_exports_from_the_command_line(tmp_path, monkeypatch,

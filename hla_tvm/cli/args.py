@@ -27,6 +27,17 @@ def positive_float(text):
     return value
 
 
+def quantize_arguments(p, what):
+    """Add --quantize (help: `what`) and --group-size, the weight scheme as `hla_tvm.compile`
+    takes it (`quant.scheme`), to the parser `p`."""
+    from ..quant.scheme import GROUP_SIZES, SCHEMES
+
+    p.add_argument("--quantize", choices=SCHEMES, default=None, help=what)
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
+                   help="input elements per scale (int4: default 32; int8: default one scale "
+                        "per output channel)")
+
+
 def decay(text):
     """argparse type: a decay factor in (0, 1]."""
     try:

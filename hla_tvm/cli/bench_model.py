@@ -29,12 +29,14 @@ import time
 import numpy as np
 import torch
 
+from ..quant.scheme import SCHEMES as QUANT_SCHEMES
+
 PRESETS = {   # random weights (speed does not depend on them)
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, decay=0.98),
     "demo": None,   # the shipped model
     "120m": dict(vocab_size=8192, d_model=768, n_layers=12, n_heads=12, decay=0.98),
 }
-SCHEMES = ("float32", "bf16", "int8", "int4")
+SCHEMES = ("float32",) + QUANT_SCHEMES
 
 
 def load_model(checkpoint=None, preset="demo"):
@@ -58,13 +60,8 @@ def load_model(checkpoint=None, preset="demo"):
 
 
 def weight_bytes(model):
-    """Bytes of the model's float32 weights (a tied table counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * 4
-    return total
+    """Bytes of the model's float32 weights (`parameters()` yields a tied table once)."""
+    return 4 * sum(p.numel() for p in model.parameters())
 
 
 def _floor(nbytes):
@@ -191,7 +188,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
 
     tgt = resolve_model_target(target)
     model, name = load_model(checkpoint, preset)
-    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    params = weight_bytes(model) // 4
     out(f"{name}: {params / 1e6:.2f} M parameters, batch {batch}, prompt {prompt} tokens; "
         "compiling what the cache lacks ...")
     cases, sizes = _module_cases(model, name, schemes, tgt, batch, prompt)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .args import describe_target, positive
+from .args import describe_target, positive, quantize_arguments
 
 
 def add_arguments(p):
@@ -28,15 +28,11 @@ def add_arguments(p):
                    help="auto: tuned records for the target where they exist (the user's from "
                         "`hla-tvm tune`, else the shipped ones), the default schedules for the "
                         "other kernels; default: no records; DIR: that records folder")
-    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
-                   help="store the weights of the projections, the embedding and the output "
-                        "head packed, dequantized inside the kernels that read them (bf16: "
-                        "half the bytes; int8: a quarter, one scale per output channel; int4: "
-                        "about a sixth, one scale per group); activations, norms and the HLA "
-                        "state stay float32")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
-                   help="input elements per scale (int4: default 32; int8: default one scale "
-                        "per output channel)")
+    quantize_arguments(p, "store the weights of the projections, the embedding and the output "
+                          "head packed, dequantized inside the kernels that read them (bf16: "
+                          "half the bytes; int8: a quarter, one scale per output channel; int4: "
+                          "about a sixth, one scale per group); activations, norms and the HLA "
+                          "state stay float32")
 
 def main(args):
     from ..compiler import resolve_model_target

@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
-from .args import positive
+from .args import positive, quantize_arguments
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # hla_tvm/
 SHIPPED = os.path.join(PACKAGE, "data", "stdlib-hla2.pt")
@@ -245,10 +245,7 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     p.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU, or an llvm target as JSON (as for compile)')
-    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
-                   help="compile the model with its weights packed (as `compile --quantize`)")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
-                   help="input elements per scale (as `compile --group-size`)")
+    quantize_arguments(p, "compile the model with its weights packed (as `compile --quantize`)")
 
 
 def main(args):

@@ -2,6 +2,8 @@
 bodies."""
 from __future__ import annotations
 
+from .args import quantize_arguments
+
 
 def add_arguments(p):
     """The command's options."""
@@ -16,12 +18,9 @@ def add_arguments(p):
     which.add_argument("--from-state", action="store_true",
                    help="the prefill graph also takes the state to continue from (by default "
                         "it starts a fresh sequence from the tokens alone)")
-    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
-                   help="store the weights so, in standard ops (DequantizeLinear of INT8/INT4 "
-                        "initializers, opset 21; bf16: a Cast), as `compile --quantize` packs "
-                        "them")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
-                   help="input elements per scale (as for compile)")
+    quantize_arguments(p, "store the weights so, in standard ops (DequantizeLinear of INT8/INT4 "
+                          "initializers, opset 21; bf16: a Cast), as `compile --quantize` packs "
+                          "them")
 
 
 def main(args):

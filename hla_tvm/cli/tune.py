@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .args import positive
+from .args import positive, quantize_arguments
 
 DESCRIPTION = ("Tune the prefill and decode kernels of one operator configuration "
                "(--op and options) or the HLA kernels and projections of a model "
@@ -49,11 +49,8 @@ def add_arguments(p):
                    help="measure on devices registered with this TVM RPC tracker (python -m "
                         "tvm.exec.rpc_tracker) instead of this machine; candidates are built "
                         "here (cross-linked for an aarch64 --target)")
-    p.add_argument("--quantize", choices=("bf16", "int8", "int4"), default=None,
-                   help="with a model: tune the projections of its module with weights "
-                        "packed so (as `compile --quantize`: the dequantizing products)")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None,
-                   help="with --quantize: input elements per scale (as for compile)")
+    quantize_arguments(p, "with a model: tune the projections of its module with weights "
+                          "packed so (as `compile --quantize`: the dequantizing products)")
     p.add_argument("--rpc-key", default=None, metavar="KEY",
                    help="the key the device's server registered with (python -m "
                         "tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")

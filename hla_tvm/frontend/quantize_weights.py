@@ -78,8 +78,12 @@ def quantize_weights(mod, sch):
             return None
 
         def _call(self, name, data, w):
-            """call_tir of the kernel `name` ("matmul": data = x; "take": data = ids)."""
-            q, scale = pack(w)
+            """call_tir of the kernel `name` ("matmul": data = x; "take": data = ids) on the
+            packed [K, N] weight `w`, or None where `w` stays float32."""
+            found = pack(w)
+            if found is None:
+                return None
+            q, scale = found
             k, n = w.shape
             extra = dict(sch=sch, k=k, n=n, group=sch.group(k))
 
@@ -100,18 +104,15 @@ def quantize_weights(mod, sch):
                         call.attrs.out_dtype not in (None, "", "float32", "void"):
                     return call
                 w = self._weight(call.args[1])
-                if w is None or pack(w) is None:
-                    return call
-                return self._call("matmul", x, w)
+                out = None if w is None else self._call("matmul", x, w)
+                return call if out is None else out
             if call.op.same_as(take_op) and int(call.attrs.axis) == 0:
                 const, _ = constant(call.args[0], self.lookup_binding)
                 table = None if const is None else float_matrix(const)
                 if table is None:
                     return call
-                w = np.ascontiguousarray(table.T)
-                if pack(w) is None:
-                    return call
-                return self._call("take", call.args[1], w)
+                out = self._call("take", call.args[1], np.ascontiguousarray(table.T))
+                return call if out is None else out
             return call
 
     mutator = _Quantize(mod)

@@ -196,6 +196,16 @@ def walk(node, visit):
         walk(child, visit)
 
 
+def named_as(func, schedule):
+    """schedule(`func` named "main"), named as `func` is (its global_symbol, or none). The
+    copy is held here: a function its module alone referenced would be scheduled in place,
+    rewriting the caller's function too (its body is shared)."""
+    name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
+        else None
+    out = schedule(func.with_attr("global_symbol", "main"))
+    return out if name is None else out.with_attr("global_symbol", name)
+
+
 class ScheduledOnce:
     """Scheduled kernels remembered per process: `get(func, key, schedule)` returns
     schedule(func named "main") for the first of the kernels equal to `func` up to their
@@ -207,20 +217,18 @@ class ScheduledOnce:
         self._lock = threading.Lock()
 
     def get(self, func, key, schedule):
+        return named_as(func, lambda plain: self._get(plain, key, schedule))
+
+    def _get(self, plain, key, schedule):
         import tvm_ffi
 
-        name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
-            else None
-        plain = func.with_attr("global_symbol", "main")
         key = (tvm_ffi.structural_hash(plain), key)
         with self._lock:
             hits = self._done.get(key, ())
         for before, after in hits:
             if tvm_ffi.structural_equal(before, plain):
-                break
-        else:
-            before, after = plain, schedule(plain)
-            with self._lock:
-                self._done[key] = self._done.get(key, ()) + ((before, after),)
-        return after if name is None else after.with_attr("global_symbol", name)
-
+                return after
+        after = schedule(plain)
+        with self._lock:
+            self._done[key] = self._done.get(key, ()) + ((plain, after),)
+        return after

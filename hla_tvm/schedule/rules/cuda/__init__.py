@@ -4,7 +4,7 @@ a GPU. `scheduled` applies it to one PrimFunc, remembered per process. The other
 compiled model get TVM's GPU defaults (`dlight`)."""
 from __future__ import annotations
 
-from ...common import ScheduledOnce
+from ...common import ScheduledOnce, named_as
 from .hla_kernels import CHUNK_THREADS, THREADS, HLAKernels  # noqa: F401
 
 _SCHEDULED = ScheduledOnce()
@@ -15,9 +15,6 @@ def scheduled(func, target=None, rule=None):
     `func` is. Structurally equal kernels are scheduled once per process with the default rule
     (the schedule does not depend on the GPU's architecture)."""
     if rule is not None:
-        name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
-            else None
-        out = rule.apply(func, target, False).mod["main"]
-        return out if name is None else out.with_attr("global_symbol", name)
+        return named_as(func, lambda plain: rule.apply(plain, target, False).mod["main"])
     return _SCHEDULED.get(func, None,
                           lambda plain: HLAKernels().apply(plain, target, False).mod["main"])
