@@ -19,8 +19,9 @@ from .validate import ALIGN, aligned
 
 def private_copy(x, dtype, device=None):
     """A new contiguous tensor of `dtype` (float32 or float64) on `device` (None: x's) holding
-    x's values, copied once; on the CPU on the calling thread alone. PyTorch copies large tensors with its OpenMP threads, whose
-    workers keep spinning on the cores after the copy; a TVM kernel launched right after then
+    x's values, copied once; on the CPU on the calling thread alone. PyTorch copies large tensors
+    with its OpenMP threads, whose workers keep spinning on the cores after the copy; a TVM kernel
+    launched right after then
     waits for a scheduler time slice (measured: 3.5 ms stalls on a 2-core machine, a 0.3 ms
     functional decode at B=8 taking 4 ms)."""
     import numpy as np

@@ -225,8 +225,8 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     q [B, H, Dk] or [B, H, 1, Dk]; k [B, Hkv, Dk], v [B, Hkv, Dv] likewise (grouped heads when
     Hkv divides H). state: the dict `hla(..., return_state=True)` or `init_state` gave, its
     tensors contiguous, on q's device (CPU or CUDA), in the state dtype (float32, float64 for
-    float64 inputs); they are advanced in place (PyTorch's trailing-underscore convention). out: an optional
-    preallocated output. target, schedules: as for `hla`. Returns o, [B, H, Dv] or
+    float64 inputs); they are advanced in place (PyTorch's trailing-underscore convention). out:
+    an optional preallocated output. target, schedules: as for `hla`. Returns o, [B, H, Dv] or
     [B, H, 1, Dv] as q, in q's dtype.
 
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies

@@ -37,7 +37,8 @@ def host_target():
 
 def parse(text):
     """A command-line --target value: "llvm"/"host" for this CPU, a preset name ("x86-64",
-    "aarch64", "cuda"), JSON for a dict, or any string TVM's Target parser takes (a kind such as "c", a tag such as "nvidia/nvidia-a100")."""
+    "aarch64", "cuda"), JSON for a dict, or any string TVM's Target parser takes (a kind such as
+    "c", a tag such as "nvidia/nvidia-a100")."""
     text = text.strip()
     if text.startswith("{"):
         try:
@@ -49,7 +50,8 @@ def parse(text):
 
 def resolve(target):
     """None, "llvm" or "host" -> the host CPU; a name in PRESETS ("x86-64", "aarch64", "cuda")
-    -> that target; a dict, a Target, or a string TVM's own parser accepts -> that target. ValueError (naming the target and why) for anything else.
+    -> that target; a dict, a Target, or a string TVM's own parser accepts -> that target.
+    ValueError (naming the target and why) for anything else.
 
     TVM 0.27 no longer parses flag strings ("llvm -mcpu=..."); give a dict instead,
     {"kind": "llvm", "mcpu": "znver4"}. An LLVM CPU name is checked against LLVM's list."""

@@ -260,8 +260,8 @@ def test_module_compiled_again_to_the_same_path_is_reloaded(tmp_path):
 
 def test_the_export_apps_refuse_damaged_or_foreign_modules_without_a_crash(files, tmp_path,
                                                                            cpp_app):
-    """export/'s script and C++ app check a module as `hla_tvm.runtime.libfile` does before the loader
-    maps it (truncated: SIGBUS; flipped bytes: silently wrong tokens) and refuse a module for
+    """export/'s script and C++ app check a module as `hla_tvm.runtime.libfile` does before the
+    loader maps it (truncated: SIGBUS; flipped bytes: silently wrong tokens) and refuse a module for
     another architecture or a name TVM cannot load, each with one line naming the file."""
     _, folder = files
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -40,8 +40,8 @@ def _check(target, config, modes):
 # with grouped heads). Head size 32: chunk kernels of 256 threads with register tiles
 # (`thread_stages.TILES`) and scans split over blocks (`scan_lanes`); head size 48: tiles
 # that do not fill the last round of threads (288 tiles of 2 x 4, masked). Larger heads and the
-# normalized variants: `python benchmarks/gpu_check emulate` (10 minutes). (Normalized at head size 8, the
-# float32 output of these inputs is ill-conditioned: the CPU kernels miss the float64
+# normalized variants: `python benchmarks/gpu_check emulate` (10 minutes). (Normalized at head size
+# 8, the float32 output of these inputs is ill-conditioned: the CPU kernels miss the float64
 # reference by 3.5e-4 too.)
 CONFIGS = [("hla2", "float32", 8, 1, False), ("hla2_decay", "float32", 8, 1, False),
            ("ahla", "float32", 8, 2, False), ("hla3", "float32", 8, 1, False),

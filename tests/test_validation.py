@@ -126,7 +126,8 @@ def test_torch_backend_runs_decay_and_half():
     (dict(order=3, asymmetric=True), ValueError, "asymmetric=True is defined for order 2 only"),
     (dict(asymmetric=True, ridge=0.1), ValueError, "ridge are defined for second-order"),
     (dict(order=3, masked=False), ValueError, "masked=False and ridge"),
-    (dict(attention_mask=torch.ones(1, 4)), ValueError, r"attention_mask must have shape \[B, T\] = \[1, 5\]"),
+    (dict(attention_mask=torch.ones(1, 4)), ValueError,
+     r"attention_mask must have shape \[B, T\] = \[1, 5\]"),
     (dict(attention_mask=torch.full((1, 5), 2.0)), ValueError, "only 0 \\(padding\\) and 1"),
     (dict(attention_mask=[[1, 1, 1, 1, 1]]), TypeError, "attention_mask must be a torch.Tensor"),
 ])

@@ -5,8 +5,8 @@ emits the operator's kernel chain
 (`ops.chains`, the one description the eager backend runs too) on Relax expressions with
 (possibly symbolic) shapes q [B, H, T, Dk], k, v [B, H, T, .] and returns (o, new_state): T == 1
 (static) uses the decode chain, any other T the chunked prefill, whose chunk count is
-ceil(T / n) in the Relax shapes. State updates use call_tir_inplace, so a compiled module advances the caller's state
-buffers in place."""
+ceil(T / n) in the Relax shapes. State updates use call_tir_inplace, so a compiled module advances
+the caller's state buffers in place."""
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +65,8 @@ _GPU_TARGET = contextvars.ContextVar("hla_tvm_gpu_target", default=None)
 @contextlib.contextmanager
 def chunks_for(target):
     """Within: prefill chains emitted for a CUDA `target` use the largest chunk up to the
-    model's whose tiles fit the GPU's shared memory (`schedule.rules.cuda.limits.gpu_chunk`; the outputs do not
-    depend on the chunk size). Other targets keep the model's chunk."""
+    model's whose tiles fit the GPU's shared memory (`schedule.rules.cuda.limits.gpu_chunk`; the
+    outputs do not depend on the chunk size). Other targets keep the model's chunk."""
     token = _GPU_TARGET.set(target if target is not None and target.kind.name == "cuda"
                             else None)
     try:

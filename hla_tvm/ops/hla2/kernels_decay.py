@@ -1,6 +1,6 @@
 """Second-order HLA with decay (the paper's Algorithm 1) as TensorIR; mirrors the decayed branch
-of `hla_tvm.ops.hla2.reference.chunked`. Algorithm 1 scales S, C, m, G, h by g per token but adds the
-cross term k k^T C_{t-1} undecayed, so X = S C - G no longer advances on its own and the
+of `hla_tvm.ops.hla2.reference.chunked`. Algorithm 1 scales S, C, m, G, h by g per token but adds
+the cross term k k^T C_{t-1} undecayed, so X = S C - G no longer advances on its own and the
 undecayed chunk carry of `hla2.chunk_carry` does not apply. Instead, local s, t = 1..len,
 tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
 

@@ -97,7 +97,8 @@ def step(q, k, v, st, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, deca
 
 def serial(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None, state=None):
     """The serial recurrence (Algorithm 1), token by token. Returns (o [B, H, T, Dv], state)."""
-    return fold(step, zero_state, q, k, v, state, masked=masked, normalize=normalize, eps=eps, ridge=ridge, decay=decay)
+    return fold(step, zero_state, q, k, v, state, masked=masked, normalize=normalize, eps=eps,
+                ridge=ridge, decay=decay)
 
 
 def chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e-6, ridge=0.0,
@@ -119,7 +120,8 @@ def chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e-6, r
             + l (diag(g^t) Q C + ((Q Q^T) * Gamma) V)                 [ridge]
             + ((Q K^T) * (diag(g^t) Gamma - g^(t-1))) (K C)          [the undecayed key moment]
             + (((W * Gamma) K Q^T) * Gamma) V - ((W B) * Gamma') V    [intra-chunk]
-        G' = g^n G + g^(n-1) (K^T K) C + K^T (B diag(g^(n-1-s)) V),  S' = g^n S + K^T diag(g^(n-j)) K
+        G' = g^n G + g^(n-1) (K^T K) C + K^T (B diag(g^(n-1-s)) V),
+        S' = g^n S + K^T diag(g^(n-j)) K
     (unmasked drops the G terms, the -g^(t-1) weight and the W B term). At g = 1 this is the
     form above: the K C term vanishes and W K Q^T - W B = W W^T."""
     B, H, T, dk = q.shape
@@ -152,7 +154,8 @@ def chunked(q, k, v, *, chunk_size=64, masked=True, normalize=False, eps=1e-6, r
         Kt, KK = K.transpose(-1, -2), K.transpose(-1, -2) @ K
         st = {
             "G": gn * G + gn1 * KK @ C + Kt @ (Bs @ (tail1 * V)),
-            "h": gn[..., 0] * h + gn1[..., 0] * matvec(KK, m) + matvec(Kt, matvec(Bs, tail1[..., 0])),
+            "h": gn[..., 0] * h + gn1[..., 0] * matvec(KK, m)
+                 + matvec(Kt, matvec(Bs, tail1[..., 0])),
             "S": gn * S + Kt @ (tail * K),
             "C": gn * C + Q.transpose(-1, -2) @ (tail * V),
             "m": gn[..., 0] * m + matvec(Q.transpose(-1, -2), tail[..., 0]),

@@ -53,7 +53,8 @@ def step(q, k, v, st, *, normalize=False, eps=1e-6, decay=None):
 
 
 def serial(q, k, v, *, normalize=False, eps=1e-6, decay=None, state=None):
-    """The serial recurrence (F, eta form above), token by token. Returns (o [B, H, T, Dv], state)."""
+    """The serial recurrence (F, eta form above), token by token. Returns (o [B, H, T, Dv],
+    state)."""
     return fold(step, zero_state, q, k, v, state, normalize=normalize, eps=eps, decay=decay)
 
 
