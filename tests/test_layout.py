@@ -10,7 +10,8 @@ too). The layers, lowest first:
     build                     compiling and caching kernel modules
     backend, decode, api      running the kernels from PyTorch: hla(), decode_()
     nn, models, frontend      PyTorch layers and models; torch.export -> Relax
-    compiler, onnx, bundle    deployable modules, the ONNX op, bundles
+    compiler, onnx, bundle,   deployable modules, the ONNX op, bundles, the server (which
+    serve                     imports the runtime alone)
     cli, tools                the commands and the programs; the CUDA emulator"""
 import ast
 import os
@@ -22,7 +23,7 @@ LAYERS = [("hla_tvm.version", "hla_tvm.runtime"), ("hla_tvm.ops", "hla_tvm.quant
           ("hla_tvm.build",),
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),
           ("hla_tvm.nn", "hla_tvm.models", "hla_tvm.frontend"),
-          ("hla_tvm.compiler", "hla_tvm.onnx", "hla_tvm.bundle"),
+          ("hla_tvm.compiler", "hla_tvm.onnx", "hla_tvm.bundle", "hla_tvm.serve"),
           ("hla_tvm.cli", "hla_tvm.tools", "hla_tvm.__main__", "hla_tvm")]
 # imports that are allowed across the order: none
 

@@ -25,12 +25,18 @@ sys.meta_path.insert(0, _Block())
 def test_every_runtime_module_imports_without_torch_or_the_tvm_compiler(compiled_lm, tmp_path):
     _, path = compiled_lm("plain")
     modules = sorted(m.name for m in pkgutil.iter_modules(hla_tvm.runtime.__path__))
-    assert {"model", "libfile", "device_code", "generate", "pool", "cache", "paths"} <= \
+    assert {"model", "libfile", "device_code", "generate", "pool", "cache", "paths",
+            "state_pool"} <= \
         set(modules)
     code = BLOCK + textwrap.dedent(f"""
         import importlib, numpy as np
         for name in {modules!r}:
             importlib.import_module("hla_tvm.runtime." + name)
+        for name in ("engine", "sessions", "metrics", "app"):   # the server: torch-free too
+            try:
+                importlib.import_module("hla_tvm.serve." + name)
+            except ImportError as err:   # (fastapi: the serve extra) torch is what may not
+                assert "torch" not in str(err), err
         from hla_tvm.runtime import load
         from hla_tvm.runtime.generate import generate
         m = load({str(path)!r})

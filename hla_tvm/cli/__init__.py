@@ -45,6 +45,9 @@ COMMANDS = {
     "eval": ("evaluate",
         "bits per byte (or per token) of compiled modules and checkpoints over one text, side "
         "by side, with the largest logit difference to the first (quantized against float32)"),
+    "serve": ("serve",
+        "serve a compiled module over HTTP with OpenAI's completions API: many streams batched "
+        "together, sessions saved and resumed, Prometheus metrics"),
     "tune": ("tune",
         "auto-tune an operator's kernels or a model's kernels and projections with "
         "meta_schedule and write tuned records (used by hla(), decode_(), compile with "

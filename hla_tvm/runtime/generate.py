@@ -46,27 +46,35 @@ def text_decoder():
     return lambda ids, final=False: dec.decode(bytes(ids), final)
 
 
-def check_sampling(temperature, top_k, seed):
+def check_sampling(temperature, top_k, seed, top_p=1.0):
     """ValueError naming the argument for a negative or non-finite temperature, a negative
-    top_k or a seed that is not an int."""
+    top_k, a top_p outside (0, 1] or a seed that is not an int."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
             not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0: all tokens), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or \
+            not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
 
 
-def pick(logits, temperature, top_k, rng):
+def pick(logits, temperature, top_k, rng, top_p=1.0):
     """The next token from `logits` [vocab]: argmax at temperature 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k most likely (0: all)."""
+    softmax(logits / temperature) restricted to the top_k most likely (0: all) and, for
+    top_p < 1, to the fewest most likely whose probabilities sum to at least top_p (nucleus)."""
     logits = np.asarray(logits, dtype=np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")[: top_k or len(logits)]
     p = np.exp((logits[order] - logits[order[0]]) / temperature)
-    return int(order[rng.choice(len(order), p=p / p.sum())])
+    p /= p.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    return int(order[rng.choice(len(order), p=p)])
 
 
 def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token=None,

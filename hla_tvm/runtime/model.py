@@ -27,6 +27,9 @@ from .pool import Adaptive, env_threads, import_tvm_runtime as _import_tvm_runti
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
 STATE_MODEL = "hla_tvm.model"   # a state file's entry: the digest of the model it belongs to
+# a state file's optional entry: token ids chosen but not fed yet (a served stream's last token),
+# which a continuation feeds first
+STATE_PENDING = "hla_tvm.pending"
 # The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
 # aligned vector instructions: data that starts elsewhere is copied on the way in
 ALIGN = 64
@@ -245,18 +248,37 @@ class CompiledModel:
         of them on a CPU (`_view`: no copy; the kernels advance them in place)."""
         return list(tensors) if self.on_gpu else [_view(t) for t in tensors]
 
-    def save_state(self, state, path):
+    def save_state(self, state, path, pending=()):
         """Write the state to the file `path` as it is named (an .npz archive: one array per
         entry, named as in state_spec, and the digest of the model it belongs to under
-        STATE_MODEL), through a temporary file beside it (`paths.replacing`)."""
+        STATE_MODEL; `pending` token ids, chosen but not fed to the state yet, under
+        STATE_PENDING: `pending_tokens` reads them), through a temporary file beside it
+        (`paths.replacing`)."""
         from .paths import output_path, replacing
 
         state = self._check_state(state, _batch_of(state), "save_state")[0]
         path = output_path("path", path)
         arrays = {n: x.numpy() for (n, _, _), x in zip(self.state_spec, state)}
         arrays[STATE_MODEL] = np.frombuffer(self.model_digest.encode(), dtype=np.uint8)
+        if len(pending):
+            arrays[STATE_PENDING] = self._tokens(pending, 1, "pending")
         with replacing(path) as f:   # (a file object: numpy adds no .npz to the name)
             np.savez(f, **arrays)
+
+    def pending_tokens(self, path):
+        """The pending token ids a state file records (save_state's `pending`; [] for none),
+        checked against the vocabulary: ValueError naming the file otherwise."""
+        try:
+            with np.load(os.fspath(path), allow_pickle=False) as f:
+                ids = f[STATE_PENDING] if STATE_PENDING in f.files else np.zeros(0, np.int64)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, AttributeError) \
+                as err:
+            raise ValueError(f"{path}: not a readable state file ({err})") from None
+        if ids.ndim != 1 or ids.dtype != np.int64 or (
+                len(ids) and self.vocab_size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
+            raise ValueError(f"{path}: its {STATE_PENDING} entry must be token ids in [0, "
+                             f"{self.vocab_size}), got {ids.dtype} {list(ids.shape)}")
+        return [int(x) for x in ids]
 
     def load_state(self, path, other_model=False):
         """A state written by save_state, checked against this model (the model digest it
@@ -451,6 +473,20 @@ def _view(tensor):
     view = np.from_dlpack(tensor)
     _OURS[id(view)] = view
     return view
+
+
+def leading_rows(state, n):
+    """Views of the first `n` rows of each entry of `state` (a CPU state this package handed
+    out), which prefill/decode take as the package's own: no copy, advanced in place."""
+    views = []
+    for x in state:
+        if _OURS.get(id(x)) is not x:
+            raise ValueError("leading_rows takes a state from init_state, copy_state or "
+                             "load_state of a module on a CPU")
+        view = x[:n]
+        _OURS[id(view)] = view
+        views.append(view)
+    return views
 
 
 def aligned_array(a):

@@ -1,0 +1,289 @@
+"""Continuous batching over one compiled module: `Engine` advances every active stream by one
+token per step (one decode call over the `runtime.state_pool.StatePool`), prefills new requests
+in pieces between steps (a long prompt holds the running streams up by one piece at most), and
+lets streams join at a step boundary and leave when done (max_tokens, a stop string, the client
+gone). Each stream samples with its own temperature, top-k, top-p and seeded generator
+(`runtime.generate.pick`), so its tokens do not depend on the streams beside it.
+
+    engine = Engine(model, max_streams=64, sessions=SessionStore(...))
+    engine.start()
+    req = Request(prompt_ids, max_tokens=64, on_event=callback)   # callback(event dict)
+    engine.submit(req)      # QueueFull when max_streams run and max_queue wait
+    engine.cancel(req)      # its slot is freed at the next step
+    engine.stop(timeout)    # finish or cancel what runs, then end the thread
+
+Events, from the engine's thread: {"type": "text", "text", "ids"}, then one {"type": "done",
+"finish_reason": "length"|"stop"|"cancelled", "usage"} or {"type": "error", "error": exc}.
+Sessions: a request may start from a saved state (`resume` or `fork`) and save its final state
+(`save`; `resume` saves back under its name); the state keeps every token the stream was given
+or chose, the last chosen one as pending (fed first when the session continues)."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from ..runtime.generate import check_sampling, pick, text_decoder
+from ..runtime.state_pool import StatePool
+
+FINISH = ("length", "stop", "cancelled")
+
+
+class QueueFull(RuntimeError):
+    """Every stream slot is taken and the waiting queue is full: try again later."""
+
+
+class Request:
+    """One completion: `prompt` token ids (may be empty when a session supplies a pending
+    token), sampling parameters, `stop` strings, session names and the event callback."""
+
+    def __init__(self, prompt, max_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                 stop=(), resume=None, fork=None, save=None, on_event=None):
+        check_sampling(temperature, top_k, seed, top_p)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if resume is not None and fork is not None:
+            raise ValueError("give one of session resume and fork, not both")
+        self.prompt = [int(t) for t in prompt]
+        self.max_tokens, self.temperature, self.top_k, self.top_p = \
+            max_tokens, float(temperature), top_k, float(top_p)
+        self.seed, self.stop = seed, [s for s in stop if s]
+        self.resume, self.fork, self.save = resume, fork, save if save is not None else resume
+        self.on_event = on_event or (lambda event: None)
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        # engine-side progress
+        self.rng = np.random.default_rng(seed)
+        self.state = self.todo = self.decode_text = None
+        self.row = None
+        self.last = None           # the token chosen last (not fed yet)
+        self.ids, self.text, self.sent = [], "", 0
+        self.prompt_tokens = 0
+
+    def emit(self, event):
+        try:
+            self.on_event(event)
+        except Exception:  # noqa: BLE001 - a client's callback must not stop the engine
+            self.cancelled = True
+
+
+class Engine:
+    """The batching loop over `model` (a CPU `CompiledModel`) on a thread of its own.
+
+    max_streams: streams advanced together (the pool's rows; prefilling ones count);
+    max_queue: requests that may wait for a slot (None: max_streams); prefill_piece: prompt
+    tokens prefilled between two decode steps; sessions: a `SessionStore` or None; metrics:
+    a `metrics.Metrics` or None; vocab "bytes" makes text of UTF-8 bytes,
+    otherwise each token's text is its id and a space."""
+
+    def __init__(self, model, *, max_streams=64, max_queue=None, prefill_piece=256,
+                 sessions=None, metrics=None):
+        self.model = model
+        self.pool = StatePool(model, max_streams)
+        self.max_streams = max_streams
+        self.max_queue = max_streams if max_queue is None else max_queue
+        self.piece = prefill_piece
+        self.sessions, self.metrics = sessions, metrics
+        self.byte_text = model.vocab == "bytes"
+        self.waiting = collections.deque()
+        self.joining = collections.deque()     # prefilling, with their own batch-1 states
+        self.active = []                      # by pool row
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = None
+        self.step_seconds = 0.0
+
+    # --- the caller's side -----------------------------------------------------------------
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="hla-tvm-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, req):
+        with self._cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            held = len(self.active) + len(self.joining) + len(self.waiting)
+            if held >= self.max_streams + self.max_queue:
+                raise QueueFull(f"all {self.max_streams} streams are busy and "
+                                f"{len(self.waiting)} requests wait")
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def cancel(self, req):
+        req.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, timeout=10.0):
+        """Stop taking requests, let the running ones go on for up to `timeout` seconds, then
+        cancel what is left and end the thread."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            self._stop = True
+            for req in self.waiting:
+                req.cancelled = True
+            self._cv.notify()
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for req in list(self.active) + list(self.joining):
+            req.cancelled = True
+        with self._cv:
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic() + 1.0))
+
+    def busy(self):
+        return bool(self.active or self.joining or self.waiting)
+
+    def counts(self):
+        """(active streams, prefilling, waiting)."""
+        return len(self.active), len(self.joining), len(self.waiting)
+
+    # --- the engine's thread ----------------------------------------------------------------
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not (self.waiting or self.joining or self.active or self._stop):
+                    self._cv.wait()
+                if self._stop and not self.busy():
+                    return
+                self._admit()
+            self._drop_cancelled()
+            if self.joining:
+                self._prefill_piece(self.joining[0])
+            if self.active:
+                self._step()
+
+    def _admit(self):
+        while self.waiting and len(self.active) + len(self.joining) < self.max_streams:
+            req = self.waiting.popleft()
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                continue
+            try:
+                self._start(req)
+            except Exception as err:  # noqa: BLE001 - reported to its client
+                req.emit({"type": "error", "error": err})
+                continue
+            self.joining.append(req)
+
+    def _start(self, req):
+        """The request's first state and the tokens it must feed."""
+        name = req.resume or req.fork
+        pending = []
+        if name is not None:
+            req.state, pending = self.sessions.load(name)
+        else:
+            req.state = self.model.init_state(1)
+        req.todo = pending + req.prompt
+        if not req.todo:
+            raise ValueError("prompt must not be empty (a session continues from its pending "
+                             "token; this one has none)")
+        req.prompt_tokens = len(req.prompt)
+        req.decode_text = text_decoder() if self.byte_text else None
+
+    def _prefill_piece(self, req):
+        if req.cancelled:
+            self.joining.remove(req)
+            self._finish(req, "cancelled")
+            return
+        try:
+            piece, req.todo = req.todo[:self.piece], req.todo[self.piece:]
+            logits, req.state = self.model.prefill(np.array([piece], np.int64), req.state,
+                                                   logits="last")
+            if req.todo:
+                return
+            self.joining.popleft()
+            if self._choose(req, logits[0]):
+                self._finish(req)
+                return
+            req.row = self.pool.add(req.state)
+            req.state = None
+            self.active.append(req)
+        except Exception as err:  # noqa: BLE001 - reported to its client
+            if req in self.joining:
+                self.joining.remove(req)
+            req.emit({"type": "error", "error": err})
+
+    def _step(self):
+        t0 = time.perf_counter()
+        tokens = np.array([r.last for r in self.active], np.int64)
+        logits = self.pool.decode(tokens)
+        self.step_seconds = time.perf_counter() - t0
+        done = [r for r, row in zip(self.active, logits) if self._choose(r, row)]
+        for req in done:
+            self._leave(req)
+            self._finish(req)
+        if self.metrics is not None:
+            self.metrics.step(self.step_seconds, len(tokens))
+
+    def _choose(self, req, logits):
+        """Sample the request's next token from `logits`, send its text; True when the
+        request is done (its finish reason set)."""
+        tok = pick(logits, req.temperature, req.top_k, req.rng, req.top_p)
+        req.last = tok
+        req.ids.append(tok)
+        piece = req.decode_text([tok]) if req.decode_text else f"{tok} "
+        req.text += piece
+        reason = None
+        for s in req.stop:
+            at = req.text.find(s, max(0, req.sent - len(s)))
+            if at >= 0:
+                req.text = req.text[:at]
+                reason = "stop"
+                break
+        if reason is None and len(req.ids) >= req.max_tokens:
+            reason = "length"
+        if reason is None:
+            hold = max((len(s) - 1 for s in req.stop), default=0)
+            ready = len(req.text) - hold
+        else:
+            if req.decode_text and reason == "length":
+                req.text += req.decode_text([], final=True)
+            ready = len(req.text)
+        if ready > req.sent:
+            req.emit({"type": "text", "text": req.text[req.sent:ready], "ids": [tok]})
+            req.sent = ready
+        elif reason is None:
+            req.emit({"type": "text", "text": "", "ids": [tok]})
+        req.finish_reason = reason
+        return reason is not None
+
+    def _leave(self, req):
+        """Take `req` out of the batch (its state kept on `req` when it saves a session)."""
+        if req.save is not None and req.finish_reason != "cancelled":
+            req.state = self.pool.get(req.row)
+        moved = self.pool.remove(req.row)
+        i = self.active.index(req)
+        if moved is not None:   # the last row's stream now lives in req's row
+            mover = self.active[-1]
+            mover.row = req.row
+            self.active[i] = mover
+            self.active.pop()
+        else:
+            self.active.pop(i)
+        req.row = None
+
+    def _drop_cancelled(self):
+        for req in [r for r in self.active if r.cancelled]:
+            req.finish_reason = "cancelled"
+            self._leave(req)
+            self._finish(req, "cancelled")
+
+    def _finish(self, req, reason=None):
+        reason = reason or req.finish_reason
+        usage = {"prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.ids),
+                 "total_tokens": req.prompt_tokens + len(req.ids)}
+        if req.save is not None and reason != "cancelled" and req.state is not None:
+            try:
+                self.sessions.save(req.save, req.state, pending=[req.last])
+            except Exception as err:  # noqa: BLE001 - reported to its client
+                req.emit({"type": "error", "error": err})
+                return
+        req.state = None
+        if self.metrics is not None:
+            self.metrics.finished(reason, len(req.ids))
+        req.emit({"type": "done", "finish_reason": reason, "usage": usage})
