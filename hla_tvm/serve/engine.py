@@ -59,7 +59,8 @@ class Request:
         self.state = self.todo = self.decode_text = None
         self.row = None
         self.last = None           # the token chosen last (not fed yet)
-        self.ids, self.text, self.sent = [], "", 0
+        self.ids, self.held = [], ""     # chosen ids; text not sent yet
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)
         self.prompt_tokens = 0
 
     def emit(self, event):
@@ -213,42 +214,36 @@ class Engine:
         tokens = np.array([r.last for r in self.active], np.int64)
         logits = self.pool.decode(tokens)
         self.step_seconds = time.perf_counter() - t0
-        done = [r for r, row in zip(self.active, logits) if self._choose(r, row)]
+        greedy = logits.argmax(axis=1)   # (what pick gives at temperature 0, for all at once)
+        done = [r for r, row, best in zip(self.active, logits, greedy)
+                if self._choose(r, row, int(best) if r.temperature == 0 else None)]
         for req in done:
             self._leave(req)
             self._finish(req)
         if self.metrics is not None:
             self.metrics.step(self.step_seconds, len(tokens))
 
-    def _choose(self, req, logits):
-        """Sample the request's next token from `logits`, send its text; True when the
-        request is done (its finish reason set)."""
-        tok = pick(logits, req.temperature, req.top_k, req.rng, req.top_p)
+    def _choose(self, req, logits, tok=None):
+        """Sample the request's next token from `logits` (`tok`: chosen already), send its
+        text; True when the request is done (its finish reason set). Text that could be the
+        start of a stop string is held back until it is not."""
+        if tok is None:
+            tok = pick(logits, req.temperature, req.top_k, req.rng, req.top_p)
         req.last = tok
         req.ids.append(tok)
-        piece = req.decode_text([tok]) if req.decode_text else f"{tok} "
-        req.text += piece
+        held = req.held + (req.decode_text([tok]) if req.decode_text else f"{tok} ")
         reason = None
-        for s in req.stop:
-            at = req.text.find(s, max(0, req.sent - len(s)))
-            if at >= 0:
-                req.text = req.text[:at]
-                reason = "stop"
-                break
+        if req.stop:
+            found = [at for at in (held.find(s) for s in req.stop) if at >= 0]
+            if found:
+                held, reason = held[:min(found)], "stop"
         if reason is None and len(req.ids) >= req.max_tokens:
             reason = "length"
-        if reason is None:
-            hold = max((len(s) - 1 for s in req.stop), default=0)
-            ready = len(req.text) - hold
-        else:
-            if req.decode_text and reason == "length":
-                req.text += req.decode_text([], final=True)
-            ready = len(req.text)
-        if ready > req.sent:
-            req.emit({"type": "text", "text": req.text[req.sent:ready], "ids": [tok]})
-            req.sent = ready
-        elif reason is None:
-            req.emit({"type": "text", "text": "", "ids": [tok]})
+            if req.decode_text:
+                held += req.decode_text([], final=True)
+        cut = len(held) if reason is not None else max(0, len(held) - req.hold)
+        req.held = held[cut:]
+        req.emit({"type": "text", "text": held[:cut], "ids": [tok]})
         req.finish_reason = reason
         return reason is not None
 
