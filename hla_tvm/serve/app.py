@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -156,7 +157,8 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                                                              shutdown_timeout)
 
     app = FastAPI(title="hla-tvm serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.relay = engine, metrics, None
+    server = f"{socket.gethostname()}:{os.getpid()}"   # (which replica answered)
 
     @app.exception_handler(APIError)
     async def _api_error(request, err):
@@ -174,7 +176,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
     @app.get("/health")
     async def health():
         active, prefilling, waiting = engine.counts()
-        return {"status": "ok", "model": name, "active_streams": active,
+        return {"status": "ok", "model": name, "server": server, "active_streams": active,
                 "prefilling": prefilling, "queued": waiting}
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
@@ -256,6 +258,9 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(http: HTTPRequest):
         body, req = parse(await http.body())
+        if getattr(http.app.state, "relay", None) is None:   # (a host that runs no lifespan)
+            http.app.state.relay = Relay(asyncio.get_running_loop())
+            engine.start()
         events, relay = asyncio.Queue(), http.app.state.relay
         req.on_event = lambda ev: relay.send(events, ev)
         try:
@@ -315,7 +320,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                 raise run_error(ev["error"])
             out = chunk(text, ev["finish_reason"], ids)
             out["usage"] = ev["usage"]
-            return JSONResponse(out)
+            return JSONResponse(out, headers={"X-HLA-TVM-Server": server})
 
         usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -352,6 +357,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                 engine.cancel(req)   # (a no-op once it is done; frees the slot when not)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-HLA-TVM-Server": server})
 
     return app

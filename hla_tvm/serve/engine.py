@@ -98,8 +98,12 @@ class Engine:
 
     # --- the caller's side -----------------------------------------------------------------
     def start(self):
-        self._thread = threading.Thread(target=self._loop, name="hla-tvm-engine", daemon=True)
-        self._thread.start()
+        """Start the engine's thread (once; later calls do nothing)."""
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hla-tvm-engine",
+                                                daemon=True)
+                self._thread.start()
         return self
 
     def submit(self, req):
