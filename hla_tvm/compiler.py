@@ -206,7 +206,7 @@ def _with_meta(mod, meta):
 
 
 def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch=None,  # noqa: A001
-            quantize=None, group_size=None):
+            quantize=None, group_size=None, tokenizer=None):
     """Export `model`, lower its HLA layers onto the TensorIR kernels, compile for `target`
     (None / "llvm": this CPU; a preset such as "aarch64", cross-linked with
     aarch64-linux-gnu-gcc; "cuda" or {"kind": "cuda", "arch": "sm_90"} for an NVIDIA GPU, the
@@ -225,7 +225,10 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     the embedding and the output head stored packed and dequantized inside the kernels that
     read them (`hla_tvm.quant`); activations, norms and the HLA state stay float32.
     group_size: input elements per scale (int4: 32 by default, or 64, 128; int8: per output
-    channel by default, or a group size)."""
+    channel by default, or a group size).
+    tokenizer: a tokenizer.json (Hugging Face `tokenizers`) whose vocabulary fits the model's,
+    kept in the module: `hla-tvm run --prompt`, `hla-tvm serve` and the runtime's `text` then
+    take and give text (byte-level models have it without one)."""
     from .quant import scheme
 
     sch = scheme(quantize, group_size)
@@ -242,14 +245,24 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     from .models.hlalm import weights_digest
 
     config = getattr(model, "config", None)
+    text = tokenizer_text(tokenizer, int(config["vocab_size"]) if config else None)
     meta = {"format": MODULE_FORMAT, "state": flat_state_spec(model),
             "vocab_size": int(config["vocab_size"]) if config else None,
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict()),
-            "quantize": None if sch is None else sch.as_meta()}
+            "quantize": None if sch is None else sch.as_meta(), **text}
     mod = to_relax(model, max_batch=max_batch, target=tgt)
     meta["entries"] = ["decode", "prefill"]
     return build(mod, meta, tgt, out, records_path)
+
+
+def tokenizer_text(path, vocab_size):
+    """{metadata key: the checked tokenizer.json text} for the module, or {} for None."""
+    if path is None:
+        return {}
+    from .runtime.text import TOKENIZER, read_tokenizer
+
+    return {TOKENIZER: read_tokenizer(path, vocab_size)}
 
 
 def records_folder(schedules, target):

@@ -136,10 +136,11 @@ def test_run_reads_a_long_prompt_from_a_file_or_stdin(shipped, capsys, tmp_path,
     assert out.endswith(want[len(PROMPT):])
 
 
-def test_run_prompt_text_needs_a_byte_level_module(compiled_lm, capsys):
+def test_run_prompt_text_needs_a_module_with_text(compiled_lm, capsys):
     _, path = compiled_lm("base")
     assert main(["run", str(path), "--prompt", "def "]) == 2
-    assert "needs a byte-level model" in capsys.readouterr().err
+    assert "needs a model with text (byte-level, or compiled with --tokenizer)" in \
+        capsys.readouterr().err
     assert main(["run", str(path)]) == 2
     assert "give --prompt TEXT" in capsys.readouterr().err
 

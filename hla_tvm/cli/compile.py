@@ -14,6 +14,10 @@ def add_arguments(p):
                         "returns your own model (forward(tokens, state) -> (logits, state) and "
                         "init_state(batch); README, 'Your own model')")
     p.add_argument("-o", "--output", default="model.so", help="output library")
+    p.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
+                   help="a Hugging Face `tokenizers` file kept in the module, so that `run "
+                        "--prompt`, `serve` and the runtime take and give text (byte-level "
+                        "models have text without one)")
     p.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU, a preset (x86-64, aarch64, cuda), a TVM target '
                         'as JSON, e.g. \'{"kind": "llvm", "mcpu": "znver4"}\', or a target '
@@ -61,7 +65,7 @@ def main(args):
               f"{describe_target(tgt)} ...", flush=True)
         out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
                            schedules=args.schedules, quantize=args.quantize,
-                           group_size=args.group_size)
+                           group_size=args.group_size, tokenizer=args.tokenizer)
     else:
         from ..compiler import compile as compile_model
         from ..models.source import load
@@ -71,7 +75,7 @@ def main(args):
               f"parameters) for {describe_target(tgt)} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
                             schedules=args.schedules, quantize=args.quantize,
-                            group_size=args.group_size)
+                            group_size=args.group_size, tokenizer=args.tokenizer)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
     if tgt.kind.name == "cuda":
         from ..runtime.device_code import folder_beside

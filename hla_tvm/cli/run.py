@@ -90,6 +90,11 @@ def _module_info(path, meta):
     lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(
         f"{n} {'x'.join(map(str, s))}" for n, s, _ in meta.get("state", [])[:4])
         + (" ..." if len(meta.get("state", [])) > 4 else ""))
+    from ..runtime.text import TOKENIZER
+
+    lines.append("text: " + ("a tokenizer (tokenizer.json kept in the module)"
+                             if meta.get(TOKENIZER) else "UTF-8 bytes" if cfg.get("vocab") ==
+                             "bytes" else "none (token ids)"))
     for key in ("weights_sha256", "onnx_sha256"):
         if meta.get(key):
             lines.append(f"{key}: {meta[key]}")
@@ -116,7 +121,7 @@ def _module_info(path, meta):
 
 def main(args):
     from ..runtime import load, read_meta
-    from ..runtime.generate import encode_text, generate, text_decoder
+    from ..runtime.generate import generate
 
     if args.info:   # read from the library without loading it where it holds the metadata
         meta = read_meta(args.module)
@@ -128,7 +133,7 @@ def main(args):
         raise ValueError(f"give one of --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3, "
                          f"not {' and '.join(given)}")
     if not given:
-        raise ValueError("give --prompt TEXT or --prompt-file FILE (byte-level models) or "
+        raise ValueError("give --prompt TEXT or --prompt-file FILE (models with text) or "
                          "--prompt-ids 1,2,3 (or --info to describe the module)")
     from ..runtime.generate import check_sampling
 
@@ -140,17 +145,20 @@ def main(args):
         args.prompt = _prompt_file(args.prompt_file)
         if not args.prompt:
             raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    m = load(args.module, args.device, threads=args.threads)
+    if args.prompt is not None and m.text is None:
+        raise ValueError(f"{args.module}: {given[0]} needs a model with text (byte-level, or "
+                         "compiled with --tokenizer); this one takes token ids: give "
+                         "--prompt-ids")
     try:
-        prompt = encode_text(args.prompt) if args.prompt is not None else \
+        prompt = m.text.encode(args.prompt) if args.prompt is not None else \
             _prompt_ids(args.prompt_ids)
     except UnicodeError as err:
         raise ValueError(f"--prompt is not valid text ({err.reason})") from None
-    m = load(args.module, args.device, threads=args.threads)
-    if args.prompt is not None and m.vocab != "bytes":
-        raise ValueError(f"{args.module}: {given[0]} needs a byte-level model (this one's "
-                         f"vocabulary is {m.vocab or 'its own token ids'}); give --prompt-ids")
+    if not prompt:
+        raise ValueError("prompt must not be empty")
     if args.prompt is not None:
-        decode = text_decoder()
+        decode = m.text.decoder()
         skipped = len(args.prompt) - ECHO_CHARS
         sys.stdout.write(args.prompt if skipped <= 0 else
                          f"[... {skipped} characters of the prompt ...]" + args.prompt[skipped:])

@@ -286,16 +286,16 @@ def _decode_from_prefill(model):
 
 
 def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=None,  # noqa: A001
-            group_size=None):
+            group_size=None, tokenizer=None):
     """Compile an ONNX language model with hla_tvm::HLA nodes (as `hla_tvm.onnx.export` writes)
     for `target` and write the library to `out`; `hla_tvm.runtime.load` opens it. A prefill
     graph gives both entry points (decode is the same graph at T = 1); a decode graph gives
     decode only (the runtime then runs a prompt token by token). schedules, quantize,
     group_size: as for `hla_tvm.compile` (the graph's float32 weight initializers are the
     weights quantized); a file exported with quantize= compiles under the scheme it records.
-    Returns `out`."""
+    tokenizer: as for `hla_tvm.compile`. Returns `out`."""
     from .. import validate
-    from ..compiler import build, records_folder, resolve_model_target
+    from ..compiler import build, records_folder, resolve_model_target, tokenizer_text
     from ..quant import from_meta, scheme
 
     sch = scheme(quantize, group_size)
@@ -313,7 +313,8 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
                          f"{recorded.group_size}) already; compile it without quantize= or "
                          f"with the same scheme, not {sch.name} (group {sch.group_size})")
     sch = sch or recorded
-    meta = {**meta, "quantize": None if sch is None else sch.as_meta()}
+    meta = {**meta, "quantize": None if sch is None else sch.as_meta(),
+            **tokenizer_text(tokenizer, meta.get("vocab_size"))}
     return build(mod, meta, tgt, out, records_path)
 
 

@@ -186,6 +186,7 @@ class CompiledModel:
         # what token ids mean: "bytes" (UTF-8 text, id = byte) or None (the model's own ids)
         self.vocab = (self.meta.get("config") or {}).get("vocab")
         self.max_batch = self.meta.get("max_batch")
+        self._text = False   # the text codec (`text`), made on first use
         self.entries = tuple(self.meta.get("entries", ("prefill", "decode")))
         self.path = path
         # what a state file names as the model it belongs to: the weights (any target, any
@@ -194,6 +195,16 @@ class CompiledModel:
             or libfile.check(path).hex()
         if self.meta.get("quantize"):
             self.model_digest += "+" + scheme_name(self.meta).replace(" ", "")
+
+    @property
+    def text(self):
+        """The module's text codec (`runtime.text`: UTF-8 bytes for byte-level models, the
+        tokenizer it was compiled with), or None where it takes token ids only."""
+        if self._text is False:
+            from .text import codec
+
+            self._text = codec(self.meta)
+        return self._text
 
     def _vm(self):
         """This thread's virtual machine over the shared library."""

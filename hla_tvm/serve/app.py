@@ -6,7 +6,8 @@
     GET  /health           {"status": "ok", ...} (no key needed)
     GET  /metrics          Prometheus text (`metrics.Metrics`)
 
-A completion takes `prompt` (text for byte-level models; a list of token ids for any model),
+A completion takes `prompt` (text for models with text: byte-level, or compiled with a
+tokenizer; a list of token ids for any model),
 `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stream` (with
 `stream_options.include_usage`), and the extension `session`: {"resume": name} continues a saved
 stream and saves it back, {"fork": name} continues a copy, {"save": name} keeps the final state.
@@ -204,10 +205,11 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             raise APIError(404, f"model {req.model!r} is not served here (this server serves "
                            f"{name!r})", param="model", code="model_not_found")
         if isinstance(req.prompt, str):
-            if model.vocab != "bytes":
-                raise APIError(400, "this model takes prompts as lists of token ids (its "
-                               "vocabulary is not byte-level)", param="prompt")
-            ids = list(req.prompt.encode("utf-8"))
+            if model.text is None:
+                raise APIError(400, "this model takes prompts as lists of token ids (it is not "
+                               "byte-level and was compiled without a tokenizer)",
+                               param="prompt")
+            ids = model.text.encode(req.prompt)
         else:
             ids = req.prompt
             bad = [t for t in ids if not 0 <= t < (model.vocab_size or 2 ** 63)]

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..runtime.generate import check_sampling, pick, text_decoder
+from ..runtime.generate import check_sampling, pick
 from ..runtime.state_pool import StatePool
 
 FINISH = ("length", "stop", "cancelled")
@@ -76,8 +76,8 @@ class Engine:
     max_streams: streams advanced together (the pool's rows; prefilling ones count);
     max_queue: requests that may wait for a slot (None: max_streams); prefill_piece: prompt
     tokens prefilled between two decode steps; sessions: a `SessionStore` or None; metrics:
-    a `metrics.Metrics` or None; vocab "bytes" makes text of UTF-8 bytes,
-    otherwise each token's text is its id and a space."""
+    a `metrics.Metrics` or None. A model with text (`runtime.text`: byte-level, or
+    compiled with a tokenizer) gives text; for others each token's text is its id and a space."""
 
     def __init__(self, model, *, max_streams=64, max_queue=None, prefill_piece=256,
                  sessions=None, metrics=None):
@@ -87,7 +87,6 @@ class Engine:
         self.max_queue = max_streams if max_queue is None else max_queue
         self.piece = prefill_piece
         self.sessions, self.metrics = sessions, metrics
-        self.byte_text = model.vocab == "bytes"
         self.waiting = collections.deque()
         self.joining = collections.deque()     # prefilling, with their own batch-1 states
         self.active = []                      # by pool row
@@ -188,7 +187,7 @@ class Engine:
             raise ValueError("prompt must not be empty (a session continues from its pending "
                              "token; this one has none)")
         req.prompt_tokens = len(req.prompt)
-        req.decode_text = text_decoder() if self.byte_text else None
+        req.decode_text = self.model.text.decoder() if self.model.text else None
 
     def _prefill_piece(self, req):
         if req.cancelled:

@@ -1,0 +1,102 @@
+"""Models compiled with a tokenizer (`hla_tvm.compile(..., tokenizer=)`, `hla-tvm compile
+--tokenizer`): the tokenizer.json is checked against the vocabulary and kept in the module;
+`runtime.text`, `hla-tvm run --prompt` and the server's engine take and give text through it,
+the tokens being those the token-id loop gives for the tokenizer's ids."""
+import json
+
+import pytest
+import torch
+
+tokenizers = pytest.importorskip("tokenizers")
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n    y = 0\n" * 20
+
+
+def make_tokenizer(path, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+
+    folder = tmp_path_factory.mktemp("tok")
+    tok = make_tokenizer(folder / "tokenizer.json", 300)
+    torch.manual_seed(0)
+    model = HLALM(tok.get_vocab_size(), 32, 2, 4, chunk_size=16).eval()
+    path = compile_model(model, out=folder / "model.so", tokenizer=folder / "tokenizer.json")
+    return tok, path, folder
+
+
+def test_text_round_trip_and_generation(compiled, capsys):
+    from hla_tvm.cli import main
+    from hla_tvm.runtime import load
+    from hla_tvm.runtime.generate import generate
+
+    tok, path, _ = compiled
+    m = load(path)
+    ids = m.text.encode("class Point:\n")
+    assert ids == tok.encode("class Point:\n").ids
+    want_ids, _ = generate(m, ids, 8)
+    decode = m.text.decoder()
+    assert "".join(decode([i]) for i in want_ids) == tok.decode(want_ids)
+    assert main(["run", str(path), "--prompt", "class Point:\n", "--tokens", "8",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "class Point:\n" + tok.decode(want_ids) + "\n"
+    assert main(["run", str(path), "--info"]) == 0
+    assert "text: a tokenizer" in capsys.readouterr().out
+
+
+def test_engine_gives_the_tokenizers_text(compiled):
+    from hla_tvm.runtime import load
+    from hla_tvm.runtime.generate import generate
+    from hla_tvm.serve.engine import Engine, Request
+
+    tok, path, _ = compiled
+    m = load(path, threads=1)
+    prompt = tok.encode("def add(a, b):").ids
+    want, _ = generate(m, prompt, 10)
+    parts, done = [], []
+    engine = Engine(m, max_streams=2).start()
+    try:
+        engine.submit(Request(prompt, 10, on_event=lambda ev: (parts.append(ev.get("text", "")),
+                                                                ev["type"] == "done"
+                                                                and done.append(ev))))
+        for _ in range(3000):
+            if done:
+                break
+            import time
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert done and "".join(parts) == tok.decode(want)
+
+
+def test_bad_tokenizers_refused(compiled, tmp_path):
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+
+    _, _, folder = compiled
+    model = HLALM(40, 32, 1, 4, chunk_size=16)
+    with pytest.raises(ValueError, match=r"has \d+ tokens; the model.s vocabulary has 40"):
+        compile_model(model, out=tmp_path / "m.so", tokenizer=folder / "tokenizer.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a tokenizer.json"):
+        compile_model(model, out=tmp_path / "m.so", tokenizer=tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"version": "1.0"}))
+    with pytest.raises(ValueError, match="the `tokenizers` library reads"):
+        compile_model(model, out=tmp_path / "m.so", tokenizer=tmp_path / "other.json")
+    with pytest.raises(ValueError, match="No such file"):
+        compile_model(model, out=tmp_path / "m.so", tokenizer=tmp_path / "none.json")
+    assert not (tmp_path / "m.so").exists()
