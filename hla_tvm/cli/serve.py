@@ -16,7 +16,8 @@ DESCRIPTION = (
     "(\"session\": {\"save\": NAME}) and later continue it without re-reading the text "
     "({\"resume\": NAME}) or branch it ({\"fork\": NAME}). Byte-level models and models "
     "compiled with --tokenizer take text prompts, others lists of token ids. Stop with Ctrl-C "
-    "or SIGTERM: running streams get --shutdown-timeout seconds to finish. Needs the serve extra: pip install 'hla_tvm[serve]'.")
+    "or SIGTERM: running streams get --shutdown-timeout seconds to finish. Needs the serve "
+    "extra: pip install 'hla_tvm[serve]'.")
 
 
 def add_arguments(p):
