@@ -65,16 +65,34 @@ def pick(logits, temperature, top_k, rng, top_p=1.0):
     """The next token from `logits` [vocab]: argmax at temperature 0, else a draw from
     softmax(logits / temperature) restricted to the top_k most likely (0: all) and, for
     top_p < 1, to the fewest most likely whose probabilities sum to at least top_p (nucleus)."""
+    return pick_rows(np.asarray(logits)[None], [temperature], [top_k], [top_p], [rng])[0]
+
+
+def pick_rows(logits, temperatures, top_ks, top_ps, rngs):
+    """`pick` for each row of `logits` [n, vocab] with its own sampling parameters and
+    generator (the same tokens row by row: the sorting and exponentials of all rows at once).
+    The draw is numpy's Generator.choice(p=...): the first index whose cumulative probability
+    exceeds one uniform number from the row's generator."""
     logits = np.asarray(logits, dtype=np.float64)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    order = np.argsort(-logits, kind="stable")[: top_k or len(logits)]
-    p = np.exp((logits[order] - logits[order[0]]) / temperature)
-    p /= p.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1
-        order, p = order[:keep], p[:keep] / p[:keep].sum()
-    return int(order[rng.choice(len(order), p=p)])
+    out = logits.argmax(axis=1).tolist()
+    sampled = [i for i, t in enumerate(temperatures) if t != 0]
+    if not sampled:
+        return out
+    rows = logits[sampled]
+    order = np.argsort(-rows, axis=1, kind="stable")
+    ranked = np.take_along_axis(rows, order, axis=1)
+    temps = np.array([temperatures[i] for i in sampled], dtype=np.float64)[:, None]
+    expo = np.exp((ranked - ranked[:, :1]) / temps)
+    for j, i in enumerate(sampled):
+        k = top_ks[i] or logits.shape[1]
+        p = expo[j, :k] / expo[j, :k].sum()
+        if top_ps[i] < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), top_ps[i])) + 1
+            p = p[:keep] / p[:keep].sum()
+        cdf = p.cumsum()
+        cdf /= cdf[-1]
+        out[i] = int(order[j, int(cdf.searchsorted(rngs[i].random(), side="right"))])
+    return out
 
 
 def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token=None,

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..runtime.generate import check_sampling, pick
+from ..runtime.generate import check_sampling, pick, pick_rows
 from ..runtime.state_pool import StatePool
 
 FINISH = ("length", "stop", "cancelled")
@@ -217,16 +217,17 @@ class Engine:
         tokens = np.array([r.last for r in self.active], np.int64)
         logits = self.pool.decode(tokens)
         self.step_seconds = time.perf_counter() - t0
-        greedy = logits.argmax(axis=1)   # (what pick gives at temperature 0, for all at once)
-        done = [r for r, row, best in zip(self.active, logits, greedy)
-                if self._choose(r, row, int(best) if r.temperature == 0 else None)]
+        act = self.active
+        chosen = pick_rows(logits, [r.temperature for r in act], [r.top_k for r in act],
+                           [r.top_p for r in act], [r.rng for r in act])
+        done = [r for r, tok in zip(act, chosen) if self._choose(r, tok=tok)]
         for req in done:
             self._leave(req)
             self._finish(req)
         if self.metrics is not None:
             self.metrics.step(self.step_seconds, len(tokens))
 
-    def _choose(self, req, logits, tok=None):
+    def _choose(self, req, logits=None, tok=None):
         """Sample the request's next token from `logits` (`tok`: chosen already), send its
         text; True when the request is done (its finish reason set). Text that could be the
         start of a stop string is held back until it is not."""
