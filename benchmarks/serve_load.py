@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -32,8 +33,15 @@ def _rss_mb(pid):
         return None
 
 
-async def _client(http, url, i, tokens, stamps, failures):
-    body = {"prompt": f"# client {i}\ndef f{i}(x):\n", "max_tokens": tokens, "stream": True,
+def _prompt(i, length):
+    """Client i's prompt: distinct, about `length` bytes (at least its header line)."""
+    head = f"# client {i}\ndef f{i}(x):\n"
+    body = "    return x * 2 + 1  # a line of code\n" * max(0, (length - len(head)) // 38 + 1)
+    return (head + body)[:max(length, len(head))]
+
+
+async def _client(http, url, i, tokens, stamps, failures, prompt_len=0):
+    body = {"prompt": _prompt(i, prompt_len), "max_tokens": tokens, "stream": True,
             "temperature": 0.8, "top_k": 40, "seed": i}
     t0 = time.perf_counter()
     times = []
@@ -53,14 +61,14 @@ async def _client(http, url, i, tokens, stamps, failures):
     stamps.append((t0, times))
 
 
-async def _round(url, streams, tokens):
+async def _round(url, streams, tokens, prompt_len=0):
     import httpx
 
     stamps, failures = [], []
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*[_client(http, url, i, tokens, stamps, failures)
+        await asyncio.gather(*[_client(http, url, i, tokens, stamps, failures, prompt_len)
                                for i in range(streams)])
         wall = time.perf_counter() - t0
     total = sum(len(t) for _, t in stamps)
@@ -73,6 +81,70 @@ async def _round(url, streams, tokens):
             "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)), "failed": len(failures)}
 
 
+async def _soak(url, seconds, workers, seed=0):
+    """`workers` clients for `seconds`, each looping over a random mix: streamed and whole
+    completions (16-256 tokens, prompts up to 256 bytes), disconnects after a few chunks,
+    malformed requests (must get a 4xx), a session saved then resumed or forked. Returns the
+    counts: well-formed requests, their failures, disconnects, 4xx answers."""
+    import random
+
+    import httpx
+
+    rnd = random.Random(seed)
+    stats = collections.Counter()
+    bad_bodies = [b"{not json", b'{"prompt": "a", "max_tokens": "x"}', b'{"prompt": [1, 99999]}',
+                  b'{"prompt": "a", "colour": 1}', b'{"prompt": "a", "max_tokens": 0}',
+                  b'{"session": {"resume": "no-such-session"}, "prompt": "a"}']
+    end = time.monotonic() + seconds
+
+    async def worker(w, http):
+        while time.monotonic() < end:
+            roll = rnd.random()
+            body = {"prompt": _prompt(rnd.randrange(10 ** 6), rnd.choice((16, 64, 256))),
+                    "max_tokens": rnd.randint(16, 256), "temperature": 0.8,
+                    "seed": rnd.randrange(10 ** 6)}
+            try:
+                if roll < 0.1:   # a client that goes away
+                    async with http.stream("POST", url + "/v1/completions",
+                                           json={**body, "stream": True}) as r:
+                        n = 0
+                        async for _ in r.aiter_lines():
+                            n += 1
+                            if n > rnd.randint(1, 20):
+                                break
+                    stats["disconnected"] += 1
+                elif roll < 0.15:   # malformed
+                    r = await http.post(url + "/v1/completions", content=rnd.choice(bad_bodies))
+                    stats["4xx" if 400 <= r.status_code < 500 else "malformed_not_4xx"] += 1
+                elif roll < 0.25:   # a session: saved, then resumed or forked
+                    name = f"soak-{w}-{rnd.randrange(50)}"
+                    r = await http.post(url + "/v1/completions", json={
+                        **body, "session": {"save": name}})
+                    stats["ok" if r.status_code == 200 else f"failed {r.status_code}"] += 1
+                    r = await http.post(url + "/v1/completions", json={
+                        "max_tokens": 16, "prompt": "\n", "session": {
+                            rnd.choice(("resume", "fork")): name}})
+                    # (evicted meanwhile by other workers' sessions: a 404 is right)
+                    stats["ok" if r.status_code in (200, 404) else f"failed {r.status_code}"] += 1
+                else:
+                    stream = rnd.random() < 0.5
+                    if stream:
+                        async with http.stream("POST", url + "/v1/completions",
+                                               json={**body, "stream": True}) as r:
+                            text = [line async for line in r.aiter_lines()]
+                        good = r.status_code == 200 and text and text[-2] == "data: [DONE]"
+                    else:
+                        r = await http.post(url + "/v1/completions", json=body)
+                        good = r.status_code == 200
+                    stats["ok" if good else f"failed {r.status_code}"] += 1
+            except httpx.HTTPError as err:
+                stats[f"failed {type(err).__name__}"] += 1
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        await asyncio.gather(*[worker(w, http) for w in range(workers)])
+    return dict(stats)
+
+
 def _baseline(module, tokens):
     from hla_tvm.runtime import load
     from hla_tvm.runtime.generate import generate
@@ -83,13 +155,15 @@ def _baseline(module, tokens):
     return info["decode_steps"] / info["decode_s"]
 
 
-def _start(module, max_streams, threads):
+def _start(module, max_streams, threads, sessions=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "hla_tvm", "serve", module, "--port",
                              str(port), "--max-streams", str(max_streams), "--log-level",
-                             "warning", *(["--threads", str(threads)] if threads else [])])
+                             "warning", *(["--threads", str(threads)] if threads else []),
+                             *(["--sessions", sessions, "--max-sessions", "200"]
+                               if sessions else [])])
     url = f"http://127.0.0.1:{port}"
     import httpx
 
@@ -110,6 +184,12 @@ def main(argv=None):
     p.add_argument("--url", help="a running server instead")
     p.add_argument("--streams", default="1,8,64", help="concurrencies, comma-separated")
     p.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompt length of each client (bytes of a byte-level model's text)")
+    p.add_argument("--soak", type=float, default=0, metavar="SECONDS",
+                   help="then a soak of this many seconds: --soak-workers clients mixing "
+                        "streams, disconnects, malformed requests and sessions")
+    p.add_argument("--soak-workers", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="the server's --threads")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
@@ -121,7 +201,11 @@ def main(argv=None):
     if args.url:
         url = args.url.rstrip("/")
     else:
-        proc, url = _start(args.module, max(counts), args.threads)
+        import tempfile
+
+        sessions = tempfile.mkdtemp(prefix="hla_tvm_soak_") if args.soak else None
+        proc, url = _start(args.module, max(max(counts), args.soak_workers if args.soak else 1),
+                           args.threads, sessions)
     rows = []
     try:
         base = _baseline(args.module, args.tokens) if args.module else None
@@ -130,7 +214,7 @@ def main(argv=None):
         print(f"{'streams':>7} {'tok/s':>8} {'x1':>6} {'TTFT p50':>9} {'p99':>7} "
               f"{'ITL p50':>8} {'p99':>7} {'RSS MB':>7} {'failed':>6}")
         for n in counts:
-            r = asyncio.run(_round(url, n, args.tokens))
+            r = asyncio.run(_round(url, n, args.tokens, args.prompt_tokens))
             r["rss_mb"] = _rss_mb(proc.pid) if proc else None
             rows.append(r)
             r["vs_one_stream"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
@@ -138,12 +222,27 @@ def main(argv=None):
             print(f"{n:>7} {r['tokens_per_s']:>8.0f} {r['vs_one_stream']:>6.2f} "
                   f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>7.1f} {r['itl_p50_ms']:>8.2f} "
                   f"{r['itl_p99_ms']:>7.2f} {rss:>7} {r['failed']:>6}", flush=True)
+        soak = None
+        if args.soak:
+            rss0 = _rss_mb(proc.pid) if proc else None
+            t0 = time.perf_counter()
+            soak = asyncio.run(_soak(url, args.soak, args.soak_workers))
+            soak["seconds"] = time.perf_counter() - t0
+            import httpx
+
+            time.sleep(1.0)
+            page = httpx.get(url + "/metrics", timeout=30).text
+            soak["active_at_end"] = next(float(line.split()[1]) for line in page.splitlines()
+                                         if line.startswith("hla_tvm_active_streams "))
+            soak["rss_mb_start"], soak["rss_mb_end"] = rss0, _rss_mb(proc.pid) if proc else None
+            print("soak:", json.dumps(soak))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
     out = {"module": args.module, "url": url, "tokens": args.tokens, "batch1_loop_tps": base,
-           "rounds": rows, "date": time.strftime("%Y-%m-%d"), "cpu": os.uname().machine}
+           "prompt_tokens": args.prompt_tokens, "rounds": rows, "soak": soak,
+           "date": time.strftime("%Y-%m-%d"), "cpu": os.uname().machine}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
