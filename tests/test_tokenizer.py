@@ -100,3 +100,24 @@ def test_bad_tokenizers_refused(compiled, tmp_path):
     with pytest.raises(ValueError, match="No such file"):
         compile_model(model, out=tmp_path / "m.so", tokenizer=tmp_path / "none.json")
     assert not (tmp_path / "m.so").exists()
+
+
+def test_bundle_script_takes_text_through_the_tokenizer(compiled):
+    """export/python/generate.py (the bundle's script: no hla_tvm, no TVM Python package)
+    reads the tokenizer from the module and writes what `hla-tvm run --prompt` writes."""
+    import os
+    import subprocess
+    import sys
+
+    from hla_tvm.runtime import load
+    from hla_tvm.runtime.generate import generate
+
+    tok, path, _ = compiled
+    want, _ = generate(load(path), tok.encode("class Point:\n").ids, 8)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "export", "python", "generate.py")
+    run = subprocess.run([sys.executable, script, str(path), "--text", "class Point:\n",
+                          "--steps", "8", "--temperature", "0"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "class Point:\n" + tok.decode(want) + "\n"

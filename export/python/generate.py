@@ -3,7 +3,7 @@
 no TVM compiler, no torch, no hla_tvm):
 
     python generate.py model.so --prompt 5,9,2,33 --steps 12 [--temperature T --top-k K --seed S]
-    python generate.py model.so --text "def fib(" --steps 200      # byte-level models
+    python generate.py model.so --text "def fib(" --steps 200      # models with text
 
 prints the generated token ids on one line, separated by spaces (as export/cpp's app does), or
 for --text the prompt and the generated text. libtvm_runtime.so is found at --runtime-lib, else
@@ -19,7 +19,8 @@ driver) and serving that device code to TVM when the module loads (no CUDA toolk
 The module's entry points: prefill(tokens [1, T] int64, *state) -> (logits [1, T, vocab],
 *state) for T >= 2, decode(tokens [1] int64, *state) -> (logits [1, vocab], *state), and
 hla_tvm_meta() -> the JSON metadata ("state": [[name, shape without batch, dtype], ...],
-"config": {"vocab": "bytes" for byte-level models, ...})."""
+"config": {"vocab": "bytes" for byte-level models, ...}, "tokenizer": the tokenizer.json text
+of a model compiled with --tokenizer, which --text then needs the `tokenizers` package for)."""
 import argparse
 import codecs
 import ctypes
@@ -37,6 +38,27 @@ import numpy as np
 ALIGN = 64   # TVM's kernels assume 64-byte aligned tensors
 KDL_CPU, KDL_CUDA = 1, 2   # DLPack device types
 POOLED = 2                 # the virtual machine's pooled allocator
+
+
+def text_codec(meta):
+    """(encode(text) -> ids, decode(ids, final=False) -> text, incremental) of a module with
+    text (its tokenizer, else UTF-8 bytes for a byte-level model), or None (token ids only)."""
+    if meta.get("tokenizer"):
+        try:
+            from tokenizers import Tokenizer
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            raise SystemExit("generate.py: this module was compiled with a tokenizer: --text "
+                             "needs the `tokenizers` package (pip install tokenizers)") from None
+        tok, stream = Tokenizer.from_str(meta["tokenizer"]), DecodeStream(skip_special_tokens=False)
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids,
+                lambda ids, final=False: "".join(
+                    s for s in (stream.step(tok, int(i)) for i in ids) if s))
+    if (meta.get("config") or {}).get("vocab") == "bytes":
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return (lambda text: list(text.encode("utf-8")),
+                lambda ids, final=False: dec.decode(bytes(ids), final))
+    return None
 
 
 def runtime_library(given=None):
@@ -359,7 +381,8 @@ def main(argv=None):
                     "compiled for an NVIDIA GPU runs on the first GPU).")
     p.add_argument("module", help="the compiled module (model.so)")
     p.add_argument("--prompt", default=None, help="prompt token ids, e.g. 5,9,2")
-    p.add_argument("--text", default=None, help="prompt text (byte-level models)")
+    p.add_argument("--text", default=None,
+                   help="prompt text (byte-level models, and models compiled with --tokenizer)")
     p.add_argument("--steps", type=int, default=16, help="tokens to generate (default: 16)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature, 0 greedy (default: 0.9 for --text, 0 for "
@@ -380,19 +403,19 @@ def main(argv=None):
     if args.top_k is None:
         args.top_k = TEXT_TOP_K if text and args.temperature > 0 else 0
     if args.text is not None:
-        prompt = list(args.text.encode("utf-8"))
-        if not prompt:
+        if not args.text:
             p.error("--text must not be empty")
     else:
         try:
             prompt = [int(x) for x in args.prompt.split(",")]
         except ValueError:
             p.error("--prompt must be ids such as 5,9,2")
+        if min(prompt) < 0:
+            p.error(f"prompt ids must be >= 0, got {min(prompt)}")
     for bad, what in ((args.steps < 1, f"--steps must be positive, got {args.steps}"),
                       (not args.temperature >= 0,
                        f"--temperature must be >= 0, got {args.temperature}"),
-                      (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}"),
-                      (min(prompt) < 0, f"prompt ids must be >= 0, got {min(prompt)}")):
+                      (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}")):
         if bad:
             p.error(what)
     try:
@@ -400,17 +423,23 @@ def main(argv=None):
     except (OSError, ValueError) as err:   # one line, as the C++ app says it
         print(f"generate.py: {err}", file=sys.stderr)
         return 1
+    if args.text is not None:
+        codec = text_codec(meta)
+        if codec is None:
+            p.error("--text needs a model with text (byte-level, or compiled with "
+                    "--tokenizer); give --prompt ids")
+        encode, decode = codec
+        prompt = encode(args.text)
+        if not prompt:
+            p.error("--text gives no tokens")
     vocab = meta.get("vocab_size")
     if vocab and max(prompt) >= vocab:
         p.error(f"prompt ids must lie below the vocabulary size {vocab}")
     if args.text is not None:
-        if (meta.get("config") or {}).get("vocab") != "bytes":
-            p.error("--text needs a byte-level model; give --prompt ids")
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(args.text)
         generate(vm, meta, tensors, prompt, args.steps, args.temperature, args.top_k, args.seed,
-                 on_token=lambda t: (sys.stdout.write(dec.decode(bytes([t]))), sys.stdout.flush()))
-        sys.stdout.write(dec.decode(b"", final=True) + "\n")
+                 on_token=lambda t: (sys.stdout.write(decode([t])), sys.stdout.flush()))
+        sys.stdout.write(decode([], final=True) + "\n")
         return 0
     print(" ".join(map(str, generate(vm, meta, tensors, prompt, args.steps, args.temperature,
                                      args.top_k, args.seed))))

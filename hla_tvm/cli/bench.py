@@ -6,13 +6,20 @@ tvm runs the default schedules; tvm_tuned (where `hla-tvm tune` wrote records fo
 the tuned ones.
 decode:  tvm (`decode_`, state in place), tvm_hla (`hla(..., return_state=True)`, which copies
          the state), torch (the operator's `fast.step_`, in place), torch_compile
-         (torch.compile of it), state_copy (copying the state's bytes once: the floor of a
-         memory-bound step)
+         (torch.compile of it), torch_compile_functional (torch.compile of a step that returns
+         a new state: no in-place op for the compiler to keep), state_copy (copying the
+         state's bytes once: the floor of a memory-bound step)
 prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or without decay),
-         torch_compile (of the fast form), torch_sdpa (causal softmax attention, the
-         quadratic baseline), onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its
-         function body; where onnxruntime is installed), sgemm (this machine's float32 matmul
-         rate, GFLOP/s)
+         torch_compile (of the fast form), torch_chunk_loop and torch_compile_chunk_loop (a
+         loop over the chunks carrying the state, each chunk `fast.chunked`, eager or
+         compiled), torch_sdpa (causal softmax attention, the quadratic baseline),
+         onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its function body; where
+         onnxruntime is installed), sgemm (this machine's float32 matmul rate, GFLOP/s)
+
+The table names the fastest PyTorch form (every torch* case but softmax attention) and tvm's
+speed against it. The mixed rows time tvm and the strongest compiled PyTorch form in a process
+that runs PyTorch work between the calls, as a model does: each call follows a 1024 x 1024
+torch.mm (MIXED_SIZE), whose time alone (mixed_load) is taken out.
 
 Every timed run starts once the process's threads are idle (`timing.settle`): the
 thread pools of PyTorch and ONNX Runtime spin on after their work and would take the cores
@@ -29,6 +36,8 @@ from .args import decay as decay_factor, positive
 from .timing import machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
+MIXED_SIZE = 1024   # the PyTorch matmul before each call of a mixed case (n x n, float32)
+PEERS_EXCLUDED = ("torch_sdpa",)   # torch* cases that are no form of the operator
 
 
 def _measure(fn, runs, number=1, probe=None):
@@ -78,6 +87,13 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
         for n, x in st.items():
             dst[n].copy_(x)
 
+    def functional(q, k, v, st):
+        """A step returning a new state (torch.compile then keeps no in-place update)."""
+        new = {n: x.clone() for n, x in st.items()}
+        return step(q, k, v, new, decay=decay), new
+
+    compiled_functional = torch.compile(functional, dynamic=False)
+    kr, vr = _repeat_kv(k1, heads), _repeat_kv(v1, heads)
     cases = {
         "tvm": lambda: decode_(q1, k1, v1, states["tvm"], decay=decay, schedules="default",
                                **kw),
@@ -86,8 +102,10 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
                               states["torch"], decay=decay),
         "torch_compile": lambda: compiled(q1, _repeat_kv(k1, heads), _repeat_kv(v1, heads),
                                           states["torch_compile"], decay=decay),
+        "torch_compile_functional": lambda: compiled_functional(q1, kr, vr, full),
         "state_copy": state_copy,
     }
+    with_mixed(cases, ("tvm", "torch_compile_functional"))
     if _tuned_records():
         cases["tvm_tuned"] = lambda: decode_(q1, k1, v1, states["tvm_tuned"], decay=decay,
                                              schedules="auto", **kw)
@@ -127,12 +145,65 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
     compiled = torch.compile(fast, dynamic=False)
     cases["torch"] = lambda: fast(q, k, v)
     cases["torch_compile"] = lambda: compiled(q, k, v)
+
+    def one_chunk(q, k, v, st):
+        return OPERATORS[op].fast.chunked(q, k, v, chunk_size=chunk_size, decay=decay, state=st)
+
+    compiled_chunk = torch.compile(one_chunk, dynamic=False)
+    kr, vr = _repeat_kv(k, heads), _repeat_kv(v, heads)
+
+    def chunk_loop(step):
+        def run():
+            st, outs = None, []
+            for s in range(0, seq, chunk_size):
+                o, st = step(q[:, :, s:s + chunk_size], kr[:, :, s:s + chunk_size],
+                             vr[:, :, s:s + chunk_size], st)
+                outs.append(o)
+            return torch.cat(outs, dim=2)
+        return run
+
+    cases["torch_chunk_loop"] = chunk_loop(one_chunk)
+    cases["torch_compile_chunk_loop"] = chunk_loop(compiled_chunk)
     cases["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
     ort = _onnxruntime_case(q, k, v, op, decay)
     if ort is not None:
         cases["onnxruntime"] = ort
+    with_mixed(cases, ("tvm", "torch_compile_chunk_loop"))
     return cases
+
+
+def with_mixed(cases, names):
+    """Add mixed_load (a MIXED_SIZE torch.mm) and, for each of `names`, `<name>_mixed`: the
+    mm, then the case (a process running PyTorch work between the calls)."""
+    a = torch.randn(MIXED_SIZE, MIXED_SIZE)
+    b = torch.randn(MIXED_SIZE, MIXED_SIZE)
+    cases["mixed_load"] = lambda: torch.mm(a, b)
+    for name in names:
+        fn = cases[name]
+        cases[f"{name}_mixed"] = lambda fn=fn: (torch.mm(a, b), fn())
+
+
+def summary(results):
+    """{"fastest_torch": name, "tvm_vs_fastest": its time over tvm's, "mixed": {name:
+    seconds with mixed_load's time taken out, "<name>_quiet_ratio": mixed over quiet}}."""
+    forms = {n: r["median_s"] for n, r in results.items() if n.startswith("torch")
+             and not n.endswith("_mixed") and n not in PEERS_EXCLUDED}
+    out = {}
+    if forms:
+        best = min(forms, key=forms.get)
+        out.update(fastest_torch=best,
+                   tvm_vs_fastest=forms[best] / results["tvm"]["median_s"])
+    if "mixed_load" in results:
+        load = results["mixed_load"]["median_s"]
+        mixed = {}
+        for n, r in results.items():
+            if n.endswith("_mixed"):
+                base = n[:-len("_mixed")]
+                mixed[base] = max(r["median_s"] - load, 0.0)
+                mixed[f"{base}_quiet_ratio"] = mixed[base] / results[base]["median_s"]
+        out["mixed"] = mixed
+    return out
 
 
 def _onnxruntime_case(q, k, v, op, decay):
@@ -224,7 +295,7 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
             extra["tvm_gflops"] = flops / results["tvm"]["median_s"] / 1e9
     info = machine()
     report = {"mode": mode, "shape": shape, "machine": info, "results": results,
-              "other_load_cores": load.cores, **extra}
+              "other_load_cores": load.cores, **summary(results), **extra}
     _table(report, out)
     if json_path:
         from ..runtime.paths import replacing
@@ -252,13 +323,24 @@ def _table(report, out):
         f"{m['isa']}), median of {next(iter(res.values()))['runs']} rounds")
     ref = res["tvm"]["median_s"]
     peak = report["mode"] == "prefill"
-    out(f"{'case':<16}{'median':>12}{'min':>12}{'vs tvm':>10}"
+    width = max(16, 2 + max(len(name) for name in res))
+    out(f"{'case':<{width}}{'median':>12}{'min':>12}{'vs tvm':>10}"
         + (f"{'peak mem':>12}" if peak else ""))
     for name, r in res.items():
         mem = r.get("peak_bytes")
-        out(f"{name:<16}{_fmt(r['median_s']):>12}{_fmt(r['min_s']):>12}"
+        out(f"{name:<{width}}{_fmt(r['median_s']):>12}{_fmt(r['min_s']):>12}"
             f"{r['median_s'] / ref:>9.2f}x" +
             ((f"{mem / 2 ** 20:>9.1f} MB" if mem is not None else f"{'n/a':>12}") if peak else ""))
+    if "fastest_torch" in report:
+        ratio = report["tvm_vs_fastest"]
+        out(f"fastest PyTorch form: {report['fastest_torch']}; tvm is "
+            + (f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"))
+    mixed = report.get("mixed") or {}
+    if mixed:
+        out(f"in a mixed process (a {MIXED_SIZE}x{MIXED_SIZE} torch.mm before each call, its "
+            "time taken out): " + ", ".join(
+                f"{n} {_fmt(t)} ({mixed[n + '_quiet_ratio']:.2f}x quiet)"
+                for n, t in mixed.items() if not n.endswith("_quiet_ratio")))
     if "sgemm_gflops" in report:
         line = f"sgemm {report['sgemm_gflops']:.0f} GFLOP/s"
         if "tvm_gflops" in report:
@@ -282,14 +364,17 @@ def _table(report, out):
 
 DESCRIPTION = ("Time one decode step or a prefill of T tokens in one process: "
                "decode: tvm (decode_), tvm_hla (hla, which copies the state), "
-               "torch (in-place PyTorch step), torch_compile, state_copy (copying "
-               "the state once, the floor); prefill: tvm, torch (the chunk form "
-               "with every chunk at once), torch_compile, torch_sdpa (causal "
+               "torch (in-place PyTorch step), torch_compile, "
+               "torch_compile_functional (a step returning a new state), state_copy "
+               "(copying the state once, the floor); prefill: tvm, torch (the chunk "
+               "form with every chunk at once), torch_compile, torch_chunk_loop and "
+               "torch_compile_chunk_loop (a loop over the chunks), torch_sdpa (causal "
                "softmax), onnxruntime (one exported hla_tvm::HLA node, where "
                "onnxruntime is installed), and this machine's sgemm rate. The "
                "cases are timed in rounds (each once per round), so a noisy "
                "machine's slow spells fall on all of them, each run starting once the "
-               "threads of the case before are idle. With "
+               "threads of the case before are idle. The *_mixed cases run each call "
+               "after a PyTorch matmul, as a model's process does. With "
                "--kv-heads the PyTorch forms repeat k, v for each group.")
 
 

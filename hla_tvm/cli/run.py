@@ -145,16 +145,17 @@ def main(args):
         args.prompt = _prompt_file(args.prompt_file)
         if not args.prompt:
             raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+    prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     m = load(args.module, args.device, threads=args.threads)
     if args.prompt is not None and m.text is None:
         raise ValueError(f"{args.module}: {given[0]} needs a model with text (byte-level, or "
                          "compiled with --tokenizer); this one takes token ids: give "
                          "--prompt-ids")
-    try:
-        prompt = m.text.encode(args.prompt) if args.prompt is not None else \
-            _prompt_ids(args.prompt_ids)
-    except UnicodeError as err:
-        raise ValueError(f"--prompt is not valid text ({err.reason})") from None
+    if args.prompt is not None:   # (text: through the module's codec)
+        try:
+            prompt = m.text.encode(args.prompt)
+        except UnicodeError as err:
+            raise ValueError(f"--prompt is not valid text ({err.reason})") from None
     if not prompt:
         raise ValueError("prompt must not be empty")
     if args.prompt is not None:
