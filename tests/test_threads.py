@@ -20,7 +20,6 @@ FAST = {
     "test_the_worker_count_follows_the_measured_times",
     "test_other_load_counts_the_cores_other_processes_keep_busy",
     "test_results_do_not_depend_on_the_worker_count",
-    "test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker",
 }
 
 @pytest.fixture(scope="module")
@@ -186,25 +185,3 @@ def test_other_load_counts_the_cores_other_processes_keep_busy():
         spin.kill()
     assert load.cores is not None and load.cores >= 0.5 and load.busy, load.cores
     assert load.note("the timing").startswith("note: other processes kept")
-
-
-def test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker(monkeypatch):
-    """`decode_` runs a step this small on the calling thread alone (`pool.Adaptive`: beside
-    PyTorch's spinning OpenMP workers a pooled step took 80x its quiet time), and a later
-    `hla()` on the same thread gets every worker back; both give the float64 recurrence's
-    outputs."""
-    from hla_tvm import decode_
-    from hla_tvm.runtime import pool
-
-    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
-    monkeypatch.setattr(pool, "_CORES", [2])
-    q, k, v = make_qkv(1, 2, 12, 8, 8)
-    want = hla2.serial(q, k, v)[0]
-    _, st = hla(q[:, :, :4].float(), k[:, :, :4].float(), v[:, :, :4].float(),
-                return_state=True)
-    outs = [decode_(q[:, :, t].float(), k[:, :, t].float(), v[:, :, t].float(), st)
-            for t in range(4, 12)]
-    assert pool._LOCAL.threads == 1
-    assert rel_err(torch.stack(outs, 2), want[:, :, 4:]) < 1e-5
-    assert rel_err(hla(q.float(), k.float(), v.float()), want) < 1e-5
-    assert pool._LOCAL.threads == 2

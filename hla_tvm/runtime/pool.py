@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 
@@ -56,15 +55,9 @@ def import_tvm_runtime():
     return tvm
 
 
-_WRITTEN = []   # the $TVM_NUM_THREADS value `set_threads` wrote (for TVM's pool), if any
-
-
 def env_threads():
-    """$TVM_NUM_THREADS as a positive int set by the user, or 0 when unset, not a number, or
-    the value `set_threads` wrote itself."""
+    """$TVM_NUM_THREADS as a positive int, or 0 when unset or not a number."""
     env = os.environ.get("TVM_NUM_THREADS", "")
-    if _WRITTEN and env == _WRITTEN[-1]:
-        return 0
     return int(env) if env.isdigit() else 0
 
 
@@ -82,37 +75,13 @@ def set_threads(threads=None):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     elif threads > (os.cpu_count() or threads):   # (more workers than CPUs only contend)
         raise ValueError(f"threads={threads} exceeds this machine's {os.cpu_count()} CPUs")
-    raw = os.environ.get("TVM_NUM_THREADS", "")
-    env = int(raw) if raw.isdigit() else 0   # (the pool's size: the user's value or ours)
     if env < threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
-        _WRITTEN.append(str(threads))
     tvm.get_global_func("runtime.config_threadpool")(1, threads)
-    _LOCAL.threads = threads
     return threads
 
 
 _SIZED = []
-_LOCAL = threading.local()
-
-
-def use_threads(n):
-    """Run this thread's next kernels on `n` TVM workers (the pool is reconfigured only when
-    the count changes: that costs 10-20 us)."""
-    if getattr(_LOCAL, "threads", None) != n:
-        import_tvm_runtime().get_global_func("runtime.config_threadpool")(1, n)
-        _LOCAL.threads = n
-
-
-def default_threads():
-    """The worker count kernels run with unless a call chooses (`Adaptive`):
-    $TVM_NUM_THREADS when set, else one per physical core (counted once)."""
-    if not _CORES:
-        _CORES.append(physical_cores())
-    return env_threads() or _CORES[0]
-
-
-_CORES = []
 
 
 def size_once():
