@@ -76,15 +76,16 @@ def cpp_app(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def compiled_lm(tmp_path_factory):
-    """get(name, **config) -> (model, path): HLALM(40, 32, 2, 4, chunk_size=16, **config) from
-    seed 0, compiled once per session and shared by the test files that need one."""
-    def get(name, **config):
+    """get(name, vocab_size=40, **config) -> (model, path): HLALM(vocab_size, 32, 2, 4,
+    chunk_size=16, **config) from seed 0, compiled once per session and shared by the test files
+    that need one (the server's tests: get("bytes", vocab_size=256, vocab="bytes"))."""
+    def get(name, vocab_size=40, **config):
         if name not in _COMPILED:
             from hla_tvm.compiler import compile as compile_model
             from hla_tvm.models import HLALM
 
             torch.manual_seed(0)
-            model = HLALM(40, 32, 2, 4, chunk_size=16, **config).eval()
+            model = HLALM(vocab_size, 32, 2, 4, chunk_size=16, **config).eval()
             path = tmp_path_factory.mktemp(f"lm_{name}") / "model.so"
             compile_model(model, out=path)
             _COMPILED[name] = (model, path)

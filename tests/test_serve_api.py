@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -23,15 +22,8 @@ FAST = {"test_openai_client_whole_and_streamed", "test_raw_http_errors"}
 
 
 @pytest.fixture(scope="module")
-def module_path(tmp_path_factory):
-    from hla_tvm.compiler import compile as compile_model
-    from hla_tvm.models import HLALM
-
-    torch.manual_seed(0)
-    model = HLALM(256, 32, 2, 4, chunk_size=16, vocab="bytes").eval()
-    path = tmp_path_factory.mktemp("serve_api") / "tiny.so"
-    compile_model(model, out=path)
-    return path
+def module_path(compiled_lm):
+    return compiled_lm("bytes", vocab_size=256, vocab="bytes")[1]
 
 
 def _free_port():

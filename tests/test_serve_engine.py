@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from hla_tvm.runtime import load
 from hla_tvm.runtime.generate import generate
@@ -19,16 +18,9 @@ pytestmark = pytest.mark.xdist_group("serve")
 
 
 @pytest.fixture(scope="module")
-def byte_model(tmp_path_factory):
-    """A byte-level HLALM(256, 32, 2 layers, 4 heads), compiled once."""
-    from hla_tvm.compiler import compile as compile_model
-    from hla_tvm.models import HLALM
-
-    torch.manual_seed(0)
-    model = HLALM(256, 32, 2, 4, chunk_size=16, vocab="bytes").eval()
-    path = tmp_path_factory.mktemp("serve") / "bytes.so"
-    compile_model(model, out=path)
-    return load(path, threads=1)
+def byte_model(compiled_lm):
+    """The byte-level HLALM(256, 32, 2 layers, 4 heads) the server's tests share, loaded."""
+    return load(compiled_lm("bytes", vocab_size=256, vocab="bytes")[1], threads=1)
 
 
 def run_all(engine, requests, timeout=120):

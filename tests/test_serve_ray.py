@@ -4,7 +4,6 @@ other exactly as the uninterrupted stream does (the batch-1 loop, `runtime.gener
 import socket
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -14,15 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 
 
 @pytest.fixture(scope="module")
-def module_path(tmp_path_factory):
-    from hla_tvm.compiler import compile as compile_model
-    from hla_tvm.models import HLALM
-
-    torch.manual_seed(0)
-    model = HLALM(256, 32, 2, 4, chunk_size=16, vocab="bytes").eval()
-    path = tmp_path_factory.mktemp("serve_ray") / "tiny.so"
-    compile_model(model, out=path)
-    return path
+def module_path(compiled_lm):
+    return compiled_lm("bytes", vocab_size=256, vocab="bytes")[1]
 
 
 def test_two_replicas_share_sessions(module_path, tmp_path):

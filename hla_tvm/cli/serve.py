@@ -80,11 +80,12 @@ def main(args):
                      shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 2)
-    _Server(config, app.state.engine, args.shutdown_timeout).run()
+    _server_class()(config, app.state.engine, args.shutdown_timeout).run()
     return 0
 
 
 def _server_class():
+    """uvicorn's Server with the engine's graceful stop (made here: uvicorn is an extra)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -109,6 +110,3 @@ def _server_class():
 
     return Server
 
-
-def _Server(config, engine, timeout):  # noqa: N802 - a class made when uvicorn is importable
-    return _server_class()(config, engine, timeout)

@@ -235,9 +235,6 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         if spec.resume and spec.fork:
             raise APIError(400, "give one of session.resume and session.fork",
                            param="session")
-        if req.max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}",
-                           param="max_tokens")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise APIError(400, "stop takes at most 4 strings", param="stop")
@@ -295,9 +292,8 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                 await asyncio.sleep(0.25)
             engine.cancel(req)
 
-        async def next_event(watched=True):
-            if not watched:
-                return await events.get()
+        async def next_event():
+            """The engine's next event, the client watched meanwhile (`watch`)."""
             watcher = asyncio.ensure_future(watch())
             try:
                 return await events.get()
@@ -354,7 +350,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                             "message": err.message, "type": err.type, "param": err.param,
                             "code": err.code}}) + "\n\n"
                         return
-                    ev = await next_event(watched=False)
+                    ev = await events.get()
             finally:
                 engine.cancel(req)   # (a no-op once it is done; frees the slot when not)
 

@@ -28,8 +28,6 @@ import numpy as np
 from ..runtime.generate import check_sampling, pick, pick_rows
 from ..runtime.state_pool import StatePool
 
-FINISH = ("length", "stop", "cancelled")
-
 
 class QueueFull(RuntimeError):
     """Every stream slot is taken and the waiting queue is full: try again later."""
@@ -53,11 +51,10 @@ class Request:
         self.resume, self.fork, self.save = resume, fork, save if save is not None else resume
         self.on_event = on_event or (lambda event: None)
         self.cancelled = False
-        self.submitted = time.perf_counter()
         # engine-side progress
         self.rng = np.random.default_rng(seed)
         self.state = self.todo = self.decode_text = None
-        self.row = None
+        self.row = None            # its pool row while active (Engine.active[row] is it)
         self.last = None           # the token chosen last (not fed yet)
         self.ids, self.held = [], ""     # chosen ids; text not sent yet
         self.hold = max((len(s) - 1 for s in self.stop), default=0)
@@ -89,7 +86,7 @@ class Engine:
         self.sessions, self.metrics = sessions, metrics
         self.waiting = collections.deque()
         self.joining = collections.deque()     # prefilling, with their own batch-1 states
-        self.active = []                      # by pool row
+        self.active = []                      # by pool row: active[i].row == i
         self._cv = threading.Condition()
         self._stop = False
         self._thread = None
@@ -201,7 +198,8 @@ class Engine:
             if req.todo:
                 return
             self.joining.popleft()
-            if self._choose(req, logits[0]):
+            tok = pick(logits[0], req.temperature, req.top_k, req.rng, req.top_p)
+            if self._choose(req, tok):
                 self._finish(req)
                 return
             req.row = self.pool.add(req.state)
@@ -220,19 +218,17 @@ class Engine:
         act = self.active
         chosen = pick_rows(logits, [r.temperature for r in act], [r.top_k for r in act],
                            [r.top_p for r in act], [r.rng for r in act])
-        done = [r for r, tok in zip(act, chosen) if self._choose(r, tok=tok)]
+        done = [r for r, tok in zip(act, chosen) if self._choose(r, tok)]
         for req in done:
             self._leave(req)
             self._finish(req)
         if self.metrics is not None:
             self.metrics.step(self.step_seconds, len(tokens))
 
-    def _choose(self, req, logits=None, tok=None):
-        """Sample the request's next token from `logits` (`tok`: chosen already), send its
-        text; True when the request is done (its finish reason set). Text that could be the
-        start of a stop string is held back until it is not."""
-        if tok is None:
-            tok = pick(logits, req.temperature, req.top_k, req.rng, req.top_p)
+    def _choose(self, req, tok):
+        """Take `tok` as the request's next token and send its text; True when the request is
+        done (its finish reason set). Text that could be the start of a stop string is held
+        back until it is not."""
         req.last = tok
         req.ids.append(tok)
         held = req.held + (req.decode_text([tok]) if req.decode_text else f"{tok} ")
@@ -252,18 +248,15 @@ class Engine:
         return reason is not None
 
     def _leave(self, req):
-        """Take `req` out of the batch (its state kept on `req` when it saves a session)."""
+        """Take `req` out of the batch (its state kept on `req` when it saves a session); the
+        pool moves the last row's state into req's row, and the list its stream likewise."""
         if req.save is not None and req.finish_reason != "cancelled":
             req.state = self.pool.get(req.row)
         moved = self.pool.remove(req.row)
-        i = self.active.index(req)
-        if moved is not None:   # the last row's stream now lives in req's row
-            mover = self.active[-1]
-            mover.row = req.row
-            self.active[i] = mover
-            self.active.pop()
-        else:
-            self.active.pop(i)
+        last = self.active.pop()
+        if moved is not None:
+            last.row = req.row
+            self.active[req.row] = last
         req.row = None
 
     def _drop_cancelled(self):
