@@ -14,6 +14,7 @@ import torch
 
 from . import build
 from .ops import chains, state_dtype
+from .runtime.pool import default_threads, use_threads
 from .validate import ALIGN, aligned
 
 
@@ -233,6 +234,8 @@ def run_chain(chain, fns, env, out, chunk_size):
     gamma_kv = None
     if env.get("gamma") is not None:   # the kv calls' decay: each group's first query head
         gamma_kv = env["gamma"] if Hkv == H else env["gamma"][::H // Hkv].contiguous()
+    if device.type == "cpu":   # (every worker: `decode_` may have left this thread on one)
+        use_threads(default_threads())
     for call, fn in zip(chain.calls, fns):
         fn(*call_arguments(call, env, nc, gamma_kv))
     return out

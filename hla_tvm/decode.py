@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 from . import ops, options, validate
 from .ops import state_dtype
 from .options import Options
+from .runtime.pool import Adaptive, default_threads, env_threads, use_threads
 from .validate import ALIGN, aligned
 
 _PLANS: dict = {}
@@ -88,6 +90,7 @@ class _Plan:
                                               device=q.device))[0].contiguous()
         self.cuda = q.is_cuda
         self.apart = None   # the data pointers of the last state (and out) found apart
+        self._local = threading.local()   # each thread's worker-count chooser
 
     def check_apart(self, st, out=None):
         """ValueError when two state tensors, or `out` and a state tensor, share memory (the
@@ -170,8 +173,23 @@ class _Plan:
     def _run(self, q, k, v, st, out):
         if self.group > 1:
             return self._run_grouped(q, k, v, st, out)
-        self.fn(q, k, v, self.gamma, *st, out)
+        self._call(q, k, v, self.gamma, *st, out)
         return out
+
+    def _call(self, *args):
+        """The kernel on a CPU with the worker count this thread's `pool.Adaptive` picks (a
+        step this small runs on the calling thread alone: beside PyTorch's spinning OpenMP
+        workers a pooled step took 80x its quiet time, measured); with $TVM_NUM_THREADS or on
+        a GPU as it is."""
+        if self.cuda or env_threads():
+            return self.fn(*args)
+        chooser = getattr(self._local, "chooser", None)
+        if chooser is None:
+            chooser = self._local.chooser = Adaptive(default_threads(), use_threads)
+        use_threads(chooser.before())   # (another call on this thread may have changed it)
+        t0 = time.perf_counter()
+        self.fn(*args)
+        chooser.after(time.perf_counter() - t0)
 
     def _run_grouped(self, q, k, v, st, out):
         """The kernels run every query head (reading key/value head h // group of k, v): the
@@ -179,7 +197,7 @@ class _Plan:
         entries is written back in place."""
         g = self.group
         full = [_repeat_heads(x, g) if kv else x for x, kv in zip(st, self.kv)]
-        self.fn(q, k, v, self.gamma, *full, out)
+        self._call(q, k, v, self.gamma, *full, out)
         for x, y, kv in zip(st, full, self.kv):
             if kv and not x.is_cpu:
                 x.copy_(y.view(x.shape[0], x.shape[1], g, *x.shape[2:])[:, :, 0])

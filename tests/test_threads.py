@@ -20,6 +20,8 @@ FAST = {
     "test_the_worker_count_follows_the_measured_times",
     "test_other_load_counts_the_cores_other_processes_keep_busy",
     "test_results_do_not_depend_on_the_worker_count",
+    "test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker",
+    "test_the_pool_leaves_the_calling_threads_cpus_as_they_were",
 }
 
 @pytest.fixture(scope="module")
@@ -185,3 +187,66 @@ def test_other_load_counts_the_cores_other_processes_keep_busy():
         spin.kill()
     assert load.cores is not None and load.cores >= 0.5 and load.busy, load.cores
     assert load.note("the timing").startswith("note: other processes kept")
+
+
+def test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker(monkeypatch):
+    """`decode_` runs a step this small on the calling thread alone (`pool.Adaptive`: beside
+    PyTorch's spinning OpenMP workers a pooled step took 80x its quiet time), and a later
+    `hla()` on the same thread gets every worker back; both give the float64 recurrence's
+    outputs."""
+    from hla_tvm import decode_
+    from hla_tvm.runtime import pool
+
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(pool, "_CORES", [2])
+    q, k, v = make_qkv(1, 2, 12, 8, 8)
+    want = hla2.serial(q, k, v)[0]
+    _, st = hla(q[:, :, :4].float(), k[:, :, :4].float(), v[:, :, :4].float(),
+                return_state=True)
+    outs = [decode_(q[:, :, t].float(), k[:, :, t].float(), v[:, :, t].float(), st)
+            for t in range(4, 12)]
+    assert pool._LOCAL.threads == 1
+    assert rel_err(torch.stack(outs, 2), want[:, :, 4:]) < 1e-5
+    assert rel_err(hla(q.float(), k.float(), v.float()), want) < 1e-5
+    assert pool._LOCAL.threads == 2
+
+
+_AFFINITY_CHILD = r"""
+import os, sys, threading
+import numpy as np, torch
+from hla_tvm import decode_, hla
+from hla_tvm.runtime import load, pool, set_threads
+before = os.sched_getaffinity(0)
+seen = []
+set_threads(1); seen.append(os.sched_getaffinity(0))
+set_threads(None); seen.append(os.sched_getaffinity(0))
+q = torch.randn(1, 2, 8, 8)
+_, st = hla(q, q, q, return_state=True); seen.append(os.sched_getaffinity(0))
+for _ in range(12):
+    decode_(q[:, :, 0], q[:, :, 0], q[:, :, 0], st)
+seen.append(os.sched_getaffinity(0))
+m = load(sys.argv[1])
+s = m.init_state(1)
+for _ in range(12):
+    _, s = m.decode(np.array([1]), s)
+seen.append(os.sched_getaffinity(0))
+later = []
+t = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+t.start(); t.join()
+print(sorted(before), [sorted(x) for x in seen + later])
+assert all(x == before for x in seen + later)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity") or
+                    len(__import__("os").sched_getaffinity(0)) < 2, reason="one CPU")
+def test_the_pool_leaves_the_calling_threads_cpus_as_they_were(model_path):
+    """Sizing TVM's pool, `hla()`, `decode_` (on one worker or all) and a compiled module's
+    calls leave the calling thread free to run on every CPU it had, and threads it starts
+    later too: TVM's default mode pinned it to CPU 0 (two test workers shared one core)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _AFFINITY_CHILD, str(model_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]

@@ -17,9 +17,9 @@ prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or withou
          onnxruntime is installed), sgemm (this machine's float32 matmul rate, GFLOP/s)
 
 The table names the fastest PyTorch form (every torch* case but softmax attention) and tvm's
-speed against it. The mixed rows time tvm and the strongest compiled PyTorch form in a process
-that runs PyTorch work between the calls, as a model does: each call follows a 1024 x 1024
-torch.mm (MIXED_SIZE), whose time alone (mixed_load) is taken out.
+speed against it. The mixed rows time tvm, the strongest compiled PyTorch form and (decode) the
+state copy in a process that runs PyTorch work between the calls, as a model does: each call
+follows a 1024 x 1024 torch.mm (MIXED_SIZE), and the call alone is timed.
 
 Every timed run starts once the process's threads are idle (`timing.settle`): the
 thread pools of PyTorch and ONNX Runtime spin on after their work and would take the cores
@@ -33,7 +33,7 @@ import statistics
 import torch
 
 from .args import decay as decay_factor, positive
-from .timing import machine, measure_rounds
+from .timing import SelfTimed, machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 MIXED_SIZE = 1024   # the PyTorch matmul before each call of a mixed case (n x n, float32)
@@ -105,7 +105,7 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
         "torch_compile_functional": lambda: compiled_functional(q1, kr, vr, full),
         "state_copy": state_copy,
     }
-    with_mixed(cases, ("tvm", "torch_compile_functional"))
+    with_mixed(cases, ("tvm", "torch_compile_functional", "state_copy"))
     if _tuned_records():
         cases["tvm_tuned"] = lambda: decode_(q1, k1, v1, states["tvm_tuned"], decay=decay,
                                              schedules="auto", **kw)
@@ -174,19 +174,18 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
 
 
 def with_mixed(cases, names):
-    """Add mixed_load (a MIXED_SIZE torch.mm) and, for each of `names`, `<name>_mixed`: the
-    mm, then the case (a process running PyTorch work between the calls)."""
+    """Add, for each of `names`, `<name>_mixed`: a MIXED_SIZE torch.mm, then the case, whose
+    call alone is timed (`timing.SelfTimed`; a process running PyTorch work between the
+    calls: its threads may still spin, its data has left the caches)."""
     a = torch.randn(MIXED_SIZE, MIXED_SIZE)
     b = torch.randn(MIXED_SIZE, MIXED_SIZE)
-    cases["mixed_load"] = lambda: torch.mm(a, b)
     for name in names:
-        fn = cases[name]
-        cases[f"{name}_mixed"] = lambda fn=fn: (torch.mm(a, b), fn())
+        cases[f"{name}_mixed"] = SelfTimed(lambda: torch.mm(a, b), cases[name])
 
 
 def summary(results):
     """{"fastest_torch": name, "tvm_vs_fastest": its time over tvm's, "mixed": {name:
-    seconds with mixed_load's time taken out, "<name>_quiet_ratio": mixed over quiet}}."""
+    seconds of a call in the mixed process, "<name>_quiet_ratio": mixed over quiet}}."""
     forms = {n: r["median_s"] for n, r in results.items() if n.startswith("torch")
              and not n.endswith("_mixed") and n not in PEERS_EXCLUDED}
     out = {}
@@ -194,14 +193,13 @@ def summary(results):
         best = min(forms, key=forms.get)
         out.update(fastest_torch=best,
                    tvm_vs_fastest=forms[best] / results["tvm"]["median_s"])
-    if "mixed_load" in results:
-        load = results["mixed_load"]["median_s"]
-        mixed = {}
-        for n, r in results.items():
-            if n.endswith("_mixed"):
-                base = n[:-len("_mixed")]
-                mixed[base] = max(r["median_s"] - load, 0.0)
-                mixed[f"{base}_quiet_ratio"] = mixed[base] / results[base]["median_s"]
+    mixed = {}
+    for n, r in results.items():
+        if n.endswith("_mixed"):
+            base = n[:-len("_mixed")]
+            mixed[base] = r["median_s"]
+            mixed[f"{base}_quiet_ratio"] = mixed[base] / results[base]["median_s"]
+    if mixed:
         out["mixed"] = mixed
     return out
 
@@ -337,8 +335,8 @@ def _table(report, out):
             + (f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"))
     mixed = report.get("mixed") or {}
     if mixed:
-        out(f"in a mixed process (a {MIXED_SIZE}x{MIXED_SIZE} torch.mm before each call, its "
-            "time taken out): " + ", ".join(
+        out(f"in a mixed process (a {MIXED_SIZE}x{MIXED_SIZE} torch.mm before each call, "
+            "the call alone timed): " + ", ".join(
                 f"{n} {_fmt(t)} ({mixed[n + '_quiet_ratio']:.2f}x quiet)"
                 for n, t in mixed.items() if not n.endswith("_quiet_ratio")))
     if "sgemm_gflops" in report:

@@ -20,12 +20,27 @@ def settle(most=1.0, window=0.005):
     return False
 
 
+class SelfTimed:
+    """A case whose calls run `before()` untimed, then `fn()` timed: called, it returns the
+    seconds `fn` took (`measure_rounds` counts those alone)."""
+
+    def __init__(self, before, fn):
+        self.before, self.fn = before, fn
+
+    def __call__(self):
+        self.before()
+        t0 = time.perf_counter()
+        self.fn()
+        return time.perf_counter() - t0
+
+
 def measure_rounds(cases, runs, number=1, probe=None, busy=None):
     """{name: [seconds per call of each run]} of every case in `cases` {name: fn}, timed in
     rounds (each round times `number` calls of every case in turn), after each case's warm-up
     (two calls; the second through `probe(name, fn)` when given): a slow or fast spell of a
-    noisy machine falls on every case alike, not on whichever ran then. `busy` (a dict), when
-    given, gets {name: runs that started before the process went idle (`settle` gave up)}."""
+    noisy machine falls on every case alike, not on whichever ran then. A `SelfTimed` case
+    counts the time its calls report. `busy` (a dict), when given, gets {name: runs that
+    started before the process went idle (`settle` gave up)}."""
     for name, fn in cases.items():
         fn()
         if probe is None:
@@ -37,6 +52,9 @@ def measure_rounds(cases, runs, number=1, probe=None, busy=None):
         for name, fn in cases.items():
             if not settle() and busy is not None:
                 busy[name] = busy.get(name, 0) + 1
+            if isinstance(fn, SelfTimed):
+                times[name].append(sum(fn() for _ in range(number)) / number)
+                continue
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()

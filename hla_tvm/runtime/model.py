@@ -22,7 +22,13 @@ import zipfile
 import numpy as np
 
 from . import libfile
-from .pool import Adaptive, env_threads, import_tvm_runtime as _import_tvm_runtime, set_threads
+from .pool import (
+                   Adaptive,
+                   env_threads,
+                   import_tvm_runtime as _import_tvm_runtime,
+                   set_threads,
+                   use_threads,
+)
 
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
@@ -227,9 +233,7 @@ class CompiledModel:
         key = (entry, shape[0], 1 << (int(shape[1]) - 1).bit_length() if len(shape) > 1 else 0)
         chooser = self._local.choosers.get(key)
         if chooser is None:
-            configure = self._tvm.get_global_func("runtime.config_threadpool")
-            chooser = self._local.choosers[key] = Adaptive(
-                self.threads, lambda n: configure(1, n))
+            chooser = self._local.choosers[key] = Adaptive(self.threads, use_threads)
         return chooser
 
     # --- state -------------------------------------------------------------------------------
@@ -456,7 +460,8 @@ class CompiledModel:
         if chooser is None:
             res = vm[entry](tokens, *state)[:]
         else:
-            chooser.before()
+            # (the pool as the chooser set it, where another call on this thread changed it)
+            use_threads(chooser.before())
             t0 = time.perf_counter()
             res = vm[entry](tokens, *state)[:]
             chooser.after(time.perf_counter() - t0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 
@@ -55,9 +56,15 @@ def import_tvm_runtime():
     return tvm
 
 
+_WRITTEN = []   # the $TVM_NUM_THREADS value `set_threads` wrote (for TVM's pool), if any
+
+
 def env_threads():
-    """$TVM_NUM_THREADS as a positive int, or 0 when unset or not a number."""
+    """$TVM_NUM_THREADS as a positive int set by the user, or 0 when unset, not a number, or
+    the value `set_threads` wrote itself."""
     env = os.environ.get("TVM_NUM_THREADS", "")
+    if _WRITTEN and env == _WRITTEN[-1]:
+        return 0
     return int(env) if env.isdigit() else 0
 
 
@@ -75,13 +82,52 @@ def set_threads(threads=None):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     elif threads > (os.cpu_count() or threads):   # (more workers than CPUs only contend)
         raise ValueError(f"threads={threads} exceeds this machine's {os.cpu_count()} CPUs")
+    raw = os.environ.get("TVM_NUM_THREADS", "")
+    env = int(raw) if raw.isdigit() else 0   # (the pool's size: the user's value or ours)
     if env < threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
-    tvm.get_global_func("runtime.config_threadpool")(1, threads)
+        _WRITTEN.append(str(threads))
+    _configure(tvm, threads)
+    _LOCAL.threads = threads
     return threads
 
 
 _SIZED = []
+_LOCAL = threading.local()
+# the CPUs this process may run on, as it started (before TVM's pool could pin a thread)
+_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+_SHARE_ALL_CORES = -3   # TVM's ThreadGroup::kSpecifyThreadShareAllCore
+
+
+def _configure(tvm, n):
+    """This thread's TVM pool runs kernels on `n` workers, every one of them (the calling
+    thread included) free to run on any of the process's CPUs. TVM's default mode pins each
+    worker to one core, the calling thread to the first: a thread of the user's (a server's,
+    a test worker's) was left on CPU 0 alone, with every thread it started later."""
+    config = tvm.get_global_func("runtime.config_threadpool")
+    if _CPUS:
+        config(_SHARE_ALL_CORES, n, [str(c) for c in _CPUS])
+    else:   # (no affinity on this platform: nothing is pinned)
+        config(1, n)
+
+
+def use_threads(n):
+    """Run this thread's next kernels on `n` TVM workers (the pool is reconfigured only when
+    the count changes: that costs 10-20 us)."""
+    if getattr(_LOCAL, "threads", None) != n:
+        _configure(import_tvm_runtime(), n)
+        _LOCAL.threads = n
+
+
+def default_threads():
+    """The worker count kernels run with unless a call chooses (`Adaptive`):
+    $TVM_NUM_THREADS when set, else one per physical core (counted once)."""
+    if not _CORES:
+        _CORES.append(physical_cores())
+    return env_threads() or _CORES[0]
+
+
+_CORES = []
 
 
 def size_once():
