@@ -1,5 +1,7 @@
-"""The hla_tvm::HLA function bodies (standard ONNX) run in ONNX Runtime with no plugin and match
-the float64 serial recurrences; a hand-built graph with one HLA node, from a non-zero state."""
+"""The hla_tvm::HLA function bodies (standard ONNX: a Scan over chunks of F.CHUNK tokens) run in
+ONNX Runtime with no plugin and match the float64 serial recurrences, for sequences shorter than
+a chunk, of whole chunks and with a short last chunk; a hand-built graph with one HLA node, from
+a non-zero state."""
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -80,9 +82,10 @@ def _check_against_reference(order, asym, masked, normalize, ridge, arrays, gamm
         assert rel_err(torch.from_numpy(x), w) <= 1e-4, n
 
 
+@pytest.mark.parametrize("T", [1, 11, 2 * F.CHUNK + 13])
 @pytest.mark.parametrize("order, asym, masked, normalize, ridge", CASES)
-def test_function_body_in_onnxruntime(order, asym, masked, normalize, ridge):
-    arrays, gamma, st0 = _inputs(order, asym, masked)
+def test_function_body_in_onnxruntime(order, asym, masked, normalize, ridge, T):
+    arrays, gamma, st0 = _inputs(order, asym, masked, T=T)
     model = _model(order, asym, masked, normalize, ridge, arrays)
     F.check(model)
     got = ort.InferenceSession(model.SerializeToString()).run(None, arrays)
@@ -93,8 +96,10 @@ def test_function_body_in_onnxruntime(order, asym, masked, normalize, ridge):
 @pytest.mark.parametrize("state, decay", [(False, None), (False, 0.8), (True, 0.9),
                                           (False, "head")])
 def test_optional_inputs_and_grouped_heads(order, asym, state, decay):
-    """No state inputs (fresh sequence), scalar decay attribute, grouped key/value heads."""
-    arrays, gamma, st0 = _inputs(order, asym, True, H=4, Hkv=2, state=state, decay=decay)
+    """No state inputs (fresh sequence), scalar decay attribute, grouped key/value heads; two
+    whole chunks."""
+    arrays, gamma, st0 = _inputs(order, asym, True, H=4, Hkv=2, T=2 * F.CHUNK, state=state,
+                                 decay=decay)
     model = _model(order, asym, True, False, 0.0, arrays,
                    decay=decay if isinstance(decay, float) else 1.0)
     F.check(model)

@@ -206,7 +206,7 @@ def summary(results):
 
 def _onnxruntime_case(q, k, v, op, decay):
     """One exported `hla_tvm::HLA` node run by ONNX Runtime (its standard-ONNX function body,
-    a Scan over the tokens), or None where onnxruntime is not installed."""
+    a Scan over chunks), or None where onnxruntime is not installed."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
     from ..onnx.function import one_node_model

@@ -1,5 +1,8 @@
-"""Function bodies of `hla_tvm::HLA` in standard ONNX (opset 18): the serial recurrence as a Scan
-over time, so any conforming runtime runs a model that carries them (ModelProto.functions).
+"""Function bodies of `hla_tvm::HLA` in standard ONNX (opset 18), so any conforming runtime runs a
+model that carries them (ModelProto.functions): an If on T = 1 whose branches are a single
+token's step (`_one_token`, the operators' `reference.step`: a decode step) and the chunk form
+(`_chunks`: a Scan over chunks of min(T, CHUNK) tokens, zeros padding the last, each step matrix
+products from the state carried in: `_chunk`, the operators' `fast.chunked` for one chunk).
 
     HLA(q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv], decay_heads? [H], *state?)
         -> (o [B, H, T, Dv], *state)
@@ -31,6 +34,7 @@ VECTOR_STATES = {"m", "h", "n", "eta"}    # [B, H, d]; the others are [B, H, d, 
 ATTRIBUTES = {"order": 2, "asymmetric": 0, "masked": 1, "normalize": 0, "eps": 1e-6,
               "ridge": 0.0, "decay": 1.0}
 INT64_MAX = 2 ** 63 - 1
+CHUNK = 64   # tokens per step of the chunk Scan (fewer where T is shorter)
 
 
 def overload_name(order, asymmetric, masked, normalize, decay_input=False, state_input=False):
@@ -119,6 +123,122 @@ def _step(b, op, st, q, k, v, g4, g3, masked, normalize, eps, ridge):
     return new, out
 
 
+class _Weights:
+    """The decay weights of chunks of n tokens (n an int64 [1] tensor) for g4 [1, H or 1, 1, 1]
+    (ones without decay), built outside the Scan. The same for every chunk: gt = g^t [n, 1]
+    (t = 1..n), gt1 = g^(t-1), Gam[t, s] = g^(t-s) [s <= t], Gam1[t, s] = g^(t-1-s) [s < t],
+    the masks L (s <= t) and Ls (s < t). Per chunk of len tokens (the last may be short; the
+    zero tokens padding it add nothing), stacked [NC, ...] for the Scan (`per_chunk`):
+    tail = g^(len-s) [n, 1] (s = 1..len, 0 past it), tail1 = g^(len-1-s) (0 from s = len),
+    gl = g^len, gl1 = g^(len-1)."""
+
+    PER_CHUNK = ("tail", "tail1", "gl", "gl1")
+
+    def __init__(self, b, g4, n, lens):
+        f = lambda x: b.emit("Constant", [], value_float=float(x))   # noqa: E731
+        pw = lambda e: b.emit("Pow", [g4, e])                        # noqa: E731
+        mul = lambda x, y: b.emit("Mul", [x, y])                      # noqa: E731
+        sub = lambda x, y: b.emit("Sub", [x, y])                      # noqa: E731
+        mx0 = lambda x: b.emit("Max", [x, f(0)])                      # noqa: E731
+        floats = lambda x: b.emit("Cast", [x], to=TensorProto.FLOAT)  # noqa: E731
+        t = floats(b.emit("Range", [f(1), b.emit("Add", [floats(b.sq(n, 0)), f(1)]), f(1)]))
+        tc, tr = b.unsq(t, 1), b.unsq(t, 0)                           # [n, 1], [1, n]
+        D = sub(tc, tr)                                              # t - s
+        self.L = floats(b.emit("Not", [b.emit("Less", [D, f(0)])]))
+        self.Ls = floats(b.emit("Greater", [D, f(0)]))
+        self.gt, self.gt1 = pw(tc), pw(sub(tc, f(1)))
+        self.Gam = mul(pw(mx0(D)), self.L)
+        self.Gam1 = mul(pw(mx0(sub(D, f(1)))), self.Ls)
+        self.KW_unmasked = mul(self.gt, self.Gam)                    # g^t Gamma
+        self.KW_masked = sub(self.KW_unmasked, mul(self.gt1, self.L))   # - g^(t-1) L
+        # per chunk: lens [NC] -> [NC, 1, 1, 1, 1], g5 [1, 1, H or 1, 1, 1]
+        g5 = b.unsq(g4, 0)
+        ln = b.emit("Reshape", [lens, b.const([-1, 1, 1, 1, 1])])
+        ex = sub(ln, tc)                                             # len - s, [NC, 1, 1, n, 1]
+
+        def masked_power(e):   # g^e where e >= 0, else 0
+            keep = floats(b.emit("Not", [b.emit("Less", [e, f(0)])]))
+            return mul(b.emit("Pow", [g5, mx0(e)]), keep)
+
+        self.per_chunk = {"tail": masked_power(ex), "tail1": masked_power(sub(ex, f(1))),
+                          "gl": b.emit("Pow", [g5, ln]),
+                          "gl1": b.emit("Pow", [g5, sub(ln, f(1))])}
+
+    def in_chunk(self, names):
+        """These weights with the per-chunk ones named by the Scan body's inputs `names`."""
+        w = object.__new__(_Weights)
+        w.__dict__.update(self.__dict__)
+        w.__dict__.update(zip(self.PER_CHUNK, names))
+        return w
+
+
+# state entries carried side by side in the chunk Scan: a matrix [B, H, d, Dv] and the vector
+# [B, H, d] its normalizer sums, the same recurrence with v = 1 (`_chunk` works on [M | x])
+PAIRS = {"C": "m", "G": "h", "P": "m", "E": "n", "F": "eta"}
+
+
+def _carried(names):
+    """The chunk Scan's state: the names, each (matrix, vector) pair of PAIRS as one entry."""
+    return [n for n in names if n not in PAIRS.values()]
+
+
+def _chunk(b, op, st, Q, K, Va, w, masked, ridge):
+    """New state and [num | den] [B, H, n, Dv + 1] of one chunk (Q, K [B, H, n, dk], Va = [V | 1])
+    from the state carried in (`_carried`: [C | m], [G | h], ...): the operators'
+    `fast.chunked` for one chunk, whose docstrings give the forms; the denominator is the
+    numerator's with v = 1 (mm: a matrix product; every decay weight 1 without decay)."""
+    order, asym = op
+    mm = lambda x, y: b.emit("MatMul", [x, y])          # noqa: E731
+    mul = lambda x, y: b.emit("Mul", [x, y])            # noqa: E731
+    add = lambda x, y: b.emit("Add", [x, y])            # noqa: E731
+    sub = lambda x, y: b.emit("Sub", [x, y])            # noqa: E731
+    tr = lambda x: b.emit("Transpose", [x], perm=[0, 1, 3, 2])   # noqa: E731
+    gl = w.gl
+    Kt = tr(K)
+    tVa = mul(w.tail, Va)
+    if (order, asym) == (2, False):
+        S, Ca, Ga = st
+        Qt = tr(Q)
+        S2 = add(mul(gl, S), mm(Kt, mul(w.tail, K)))
+        Ca2 = add(mul(gl, Ca), mm(Qt, tVa))
+        KQ = mm(K, Qt)
+        Bs = mul(KQ, w.Ls)
+        KCa = mm(K, Ca)
+        Ga2 = add(mul(gl, Ga), mm(Kt, add(mul(w.gl1, KCa), mm(Bs, mul(w.tail1, Va)))))
+        W0 = tr(KQ)                                     # Q K^T
+        W = mul(W0, w.L)
+        Z = add(mul(w.gt, mm(Q, S)), mul(ridge, Q))     # diag(g^t) Q S + l Q
+        M = add(mul(mm(Z, Qt), w.Gam), mul(mm(mul(W, w.Gam), KQ), w.Gam))
+        X = mm(Z, Ca)
+        if masked:
+            M = sub(M, mul(mm(W, Bs), w.Gam1))
+            X = sub(X, mm(Q, Ga))
+        KW = mul(W0, w.KW_masked if masked else w.KW_unmasked)
+        out = add(add(mul(w.gt, X), mm(KW, KCa)), mm(M, Va))
+        new = [S2, Ca2, Ga2]
+    elif asym:
+        Pa, Ea = st
+        A = mul(tr(mm(K, tr(Q))), w.L)
+        Pa2 = add(mul(gl, Pa), mm(Kt, tVa))
+        QPa = mm(Q, Pa)
+        Ea2 = add(mul(gl, Ea), mm(Kt, add(mul(gl, QPa), mm(A, tVa))))
+        At = mul(A, w.Gam)
+        out = add(mul(w.gt, mm(Q, Ea)), mm(At, add(mul(w.gt, QPa), mm(At, Va))))
+        new = [Pa2, Ea2]
+    else:
+        S, Pa, Fa = st
+        WG = mul(mm(Q, Kt), w.Gam)
+        S2 = add(mul(gl, S), mm(Kt, mul(w.tail, K)))
+        Pa2 = add(mul(gl, Pa), mm(Kt, tVa))
+        Ya = add(mul(w.gt, mm(Q, Pa)), mm(WG, Va))
+        U = add(tr(mul(w.gt, mm(Q, S))), mm(Kt, tr(WG)))
+        Fa2 = add(mul(gl, Fa), mm(U, mul(w.tail, Ya)))
+        M = mul(mm(Q, U), w.Gam)
+        out = add(mul(w.gt, mm(Q, Fa)), mm(M, Ya))
+        new = [S2, Pa2, Fa2]
+    return new, out
+
+
 def _kv_state(order, asymmetric):
     from .. import ops
 
@@ -153,6 +273,82 @@ def _first_of_group(b, x, shapes):
                             _shape_of(b, "G", shapes)])
 
 
+def _typed(name, rank=4):
+    """A float32 value of `rank` symbolic dims (a subgraph's input or output)."""
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
+
+
+def _one_token(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge):
+    """(o [B, H, 1, Dv], new state) of a single token (T = 1: a decode step), the operators'
+    `reference.step`, with no Scan."""
+    g3 = b.sq(g4, -1)
+    def token(x):   # x[:, :, 0] (sliced first: shape inference visits this branch for any T)
+        return b.sq(b.emit("Slice", [x, b.const([0]), b.const([1]), b.const([2])]), 2)
+
+    new, out = _step(b, op, init, *(token(x) for x in (q, k, v)), g4, g3, masked, normalize,
+                     eps, ridge)
+    return b.unsq(out, 2), new
+
+
+def _chunks(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge, dims):
+    """(o [B, H, T, Dv], new state) of T tokens, a Scan over chunks of n = min(T, CHUNK) (zeros
+    padding the last; `_chunk` on [matrix | vector] state pairs, v with a column of ones)."""
+    B, H, dv = dims
+    init = dict(zip(names, init))
+    carried = _carried(names)
+    init = [b.emit("Concat", [init[n], b.unsq(init[PAIRS[n]], -1)], axis=-1)
+            if n in PAIRS else init[n] for n in carried]
+    T = b.emit("Slice", [b.emit("Shape", [q]), b.const([2]), b.const([3])])
+    n = b.emit("Min", [T, b.const([CHUNK])])
+    NC = b.emit("Div", [b.emit("Sub", [b.emit("Add", [T, n]), b.const([1])]), n])
+    Tc = b.emit("Mul", [NC, n])
+    to_float = lambda x: b.emit("Cast", [b.sq(x, 0)], to=TensorProto.FLOAT)  # noqa: E731
+    starts = b.emit("Range", [b.emit("Constant", [], value_float=0.0), to_float(Tc),
+                              to_float(n)])
+    lens = b.emit("Min", [b.emit("Sub", [to_float(T), starts]), to_float(n)])
+    w = _Weights(b, g4, n, lens)
+
+    def chunked(x):   # [B, H, T, d] -> [B, H, NC, n, d], zeros after the last token
+        d = b.emit("Slice", [b.emit("Shape", [x]), b.const([3]), b.const([4])])
+        zeros = b.emit("ConstantOfShape", [b.emit("Concat", [B, H, b.emit("Sub", [Tc, T]), d],
+                                                  axis=0)])
+        return b.emit("Reshape", [b.emit("Concat", [x, zeros], axis=2),
+                                  b.emit("Concat", [B, H, NC, n, b.const([-1])], axis=0)])
+
+    ones = b.emit("ConstantOfShape", [b.emit("Concat", [B, H, T, b.const([1])], axis=0)],
+                  value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
+    Va = b.emit("Concat", [v, ones], axis=-1)                    # [V | 1]
+    body = _Body("c")
+    st_in = [f"st_{n}" for n in carried]
+    xs = ["q_c", "k_c", "v_c"] + [f"{n}_c" for n in _Weights.PER_CHUNK]
+    new, out = _chunk(body, op, st_in, *xs[:3], w.in_chunk(xs[3:]), masked, ridge)
+    outs = [body.emit("Identity", [x]) for x in new + [out]]
+    graph = helper.make_graph(body.nodes, "hla_chunk", [_typed(x) for x in st_in + xs],
+                              [_typed(x) for x in outs])
+    res = b.emit("Scan", init + [chunked(q), chunked(k), chunked(Va)] +
+                 [w.per_chunk[n] for n in _Weights.PER_CHUNK], n_out=len(carried) + 1,
+                 body=graph, num_scan_inputs=len(xs), scan_input_axes=[2, 2, 2, 0, 0, 0, 0],
+                 scan_output_axes=[2])
+    out = b.emit("Reshape", [res[-1], b.emit("Concat", [B, H, Tc, b.const([-1])], axis=0)])
+    out = b.emit("Slice", [out, b.const([0]), T, b.const([2])])   # [num | den]
+    last = b.const([-1])
+
+    def split(x):   # [X | x] -> X, x
+        return (b.emit("Slice", [x, b.const([0]), dv, last]),
+                b.sq(b.emit("Slice", [x, dv, b.const([INT64_MAX]), last]), -1))
+
+    o, den = split(out)
+    if normalize:
+        o = b.emit("Div", [o, b.unsq(b.emit("Add", [den, eps]), -1)])
+    final = {}
+    for name, x in zip(carried, res[:-1]):
+        if name in PAIRS:
+            final[name], final[PAIRS[name]] = split(x)
+        else:
+            final[name] = x
+    return o, [final[name] for name in names]
+
+
 def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
                   state_input=True, opset=OPSET):
     """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring), importing
@@ -173,38 +369,31 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
     eps, ridge = attr_const("eps"), attr_const("ridge")
     gamma = "decay_heads" if decay_input else attr_const("decay")
     g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
-    g3 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1])])
+    dims = [_shape_of(outer, d, shapes) for d in ("B", "H", "dv")]   # (made here, outside
+    # the branches that use them)
     k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
-    perm = [2, 0, 1, 3]
-    qT, kT, vT = (outer.emit("Transpose", [x], perm=perm) for x in ("q", k, v))
     if state_input:
         init = [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
     else:
-        dims = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
-                else ("B", "H", "dk") for n in names]
+        sizes = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
+                 else ("B", "H", "dk") for n in names]
         init = [outer.emit("ConstantOfShape", [outer.emit(
-            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in dims]
-
-    body = _Body("s")
-    st_in = [f"st_{n}" for n in names]
-    new, out = _step(body, op, st_in, "q_t", "k_t", "v_t", g4, g3, masked, normalize, eps, ridge)
-    outs = [body.emit("Identity", [x]) for x in new] + [body.emit("Identity", [out])]
-
-    def typed(name, rank):  # float32, symbolic dims
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
-
-    ranks = [3 if n in VECTOR_STATES else 4 for n in names]
-    graph = helper.make_graph(
-        body.nodes, "hla_step",
-        [typed(x, r) for x, r in zip(st_in, ranks)] + [typed(x, 3) for x in ("q_t", "k_t", "v_t")],
-        [typed(x, r) for x, r in zip(outs, ranks + [3])])
-    res = outer.emit("Scan", init + [qT, kT, vT], n_out=len(names) + 1, body=graph,
-                     num_scan_inputs=3)
-    o = outer.emit("Transpose", [res[-1]], perm=[1, 2, 0, 3])
-    outer.nodes.append(helper.make_node("Identity", [o], ["o"]))
-    for n, r in zip(names, res[:-1]):
-        r = _first_of_group(outer, r, shapes) if n in kv else r
-        outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
+            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in sizes]
+    branches = {}
+    for label, prefix, make, extra in (("then_branch", "t", _one_token, ()),
+                                       ("else_branch", "e", _chunks, (dims,))):
+        b = _Body(prefix)
+        o, new = make(b, op, names, init, "q", k, v, g4, masked, normalize, eps, ridge, *extra)
+        outs = [b.emit("Identity", [x]) for x in [o] + new]
+        branches[label] = helper.make_graph(b.nodes, f"hla_{label}", [], [
+            _typed(x, 3 if n in VECTOR_STATES else 4) for x, n in zip(outs, ("o",) + names)])
+    T = outer.emit("Slice", [outer.emit("Shape", ["q"]), outer.const([2]), outer.const([3])])
+    one = outer.sq(outer.emit("Equal", [T, outer.const([1])]), 0)
+    res = outer.emit("If", [one], n_out=len(names) + 1, **branches)
+    outer.nodes.append(helper.make_node("Identity", [res[0]], ["o"]))
+    for name, r in zip(names, res[1:]):
+        r = _first_of_group(outer, r, shapes) if name in kv else r
+        outer.nodes.append(helper.make_node("Identity", [r], [f"{name}_out"]))
     defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
     return helper.make_function(
         DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
