@@ -22,6 +22,7 @@ FAST = {
     "test_results_do_not_depend_on_the_worker_count",
     "test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker",
     "test_the_pool_leaves_the_calling_threads_cpus_as_they_were",
+    "test_a_count_set_with_set_threads_holds_for_hla",
 }
 
 @pytest.fixture(scope="module")
@@ -199,6 +200,8 @@ def test_decode_steps_run_on_the_calling_thread_and_prefill_on_every_worker(monk
 
     monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
     monkeypatch.setattr(pool, "_CORES", [2])
+    monkeypatch.setattr(pool, "_LOCAL", threading.local())   # (no count set on this thread)
+    monkeypatch.setattr(pool, "_SIZED", [True])
     q, k, v = make_qkv(1, 2, 12, 8, 8)
     want = hla2.serial(q, k, v)[0]
     _, st = hla(q[:, :, :4].float(), k[:, :, :4].float(), v[:, :, :4].float(),
@@ -235,6 +238,12 @@ t = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
 t.start(); t.join()
 print(sorted(before), [sorted(x) for x in seen + later])
 assert all(x == before for x in seen + later)
+# a thread the user pins later stays pinned (the pool takes the thread's CPUs as they are now)
+last = {max(before)}
+os.sched_setaffinity(0, last)
+set_threads(1)
+decode_(q[:, :, 0], q[:, :, 0], q[:, :, 0], st)
+assert os.sched_getaffinity(0) == last, os.sched_getaffinity(0)
 """
 
 
@@ -243,10 +252,29 @@ assert all(x == before for x in seen + later)
 def test_the_pool_leaves_the_calling_threads_cpus_as_they_were(model_path):
     """Sizing TVM's pool, `hla()`, `decode_` (on one worker or all) and a compiled module's
     calls leave the calling thread free to run on every CPU it had, and threads it starts
-    later too: TVM's default mode pinned it to CPU 0 (two test workers shared one core)."""
+    later too: TVM's default mode pinned it to CPU 0 (two test workers shared one core). A
+    thread pinned by the user afterwards stays as pinned."""
     import subprocess
     import sys
 
     res = subprocess.run([sys.executable, "-c", _AFFINITY_CHILD, str(model_path)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+
+
+def test_a_count_set_with_set_threads_holds_for_hla(monkeypatch):
+    """`set_threads(1)` on a thread: `hla()` there runs on one worker (it resets the pool to
+    the thread's own count, not to every core), with the float64 recurrence's outputs."""
+    from hla_tvm.runtime import pool, set_threads
+
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    q, k, v = make_qkv(1, 2, 12, 8, 8)
+    want = hla2.serial(q, k, v)[0]
+
+    def run(_):
+        set_threads(1)
+        out = hla(q.float(), k.float(), v.float())
+        return pool._LOCAL.threads, rel_err(out, want)
+
+    threads, err = _in_threads(run, 1)[0]
+    assert threads == 1 and err < 1e-5

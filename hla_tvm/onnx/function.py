@@ -125,16 +125,16 @@ def _step(b, op, st, q, k, v, g4, g3, masked, normalize, eps, ridge):
 
 class _Weights:
     """The decay weights of chunks of n tokens (n an int64 [1] tensor) for g4 [1, H or 1, 1, 1]
-    (ones without decay), built outside the Scan. The same for every chunk: gt = g^t [n, 1]
-    (t = 1..n), gt1 = g^(t-1), Gam[t, s] = g^(t-s) [s <= t], Gam1[t, s] = g^(t-1-s) [s < t],
-    the masks L (s <= t) and Ls (s < t). Per chunk of len tokens (the last may be short; the
-    zero tokens padding it add nothing), stacked [NC, ...] for the Scan (`per_chunk`):
-    tail = g^(len-s) [n, 1] (s = 1..len, 0 past it), tail1 = g^(len-1-s) (0 from s = len),
-    gl = g^len, gl1 = g^(len-1)."""
+    (ones without decay), built outside the Scan. The same for every chunk: gt = g^t
+    [1, H or 1, n, 1] (t = 1..n), Gam[t, s] = g^(t-s) [s <= t] ([1, H or 1, n, n]), the mask
+    L (s <= t); second order (`second`) also gt1 = g^(t-1), Gam1[t, s] = g^(t-1-s) [s < t], the
+    mask Ls (s < t) and its KW weights g^t Gamma (- g^(t-1) L masked). Per chunk of len tokens
+    (the last may be short; the zero tokens padding it add nothing), stacked [NC, 1, H or 1, .,
+    .] for the Scan (`per_chunk`, in the order of `names`): tail = g^(len-s) [n, 1] (s = 1..len,
+    0 past it), gl = g^len; second order also tail1 = g^(len-1-s) (0 from s = len) and
+    gl1 = g^(len-1)."""
 
-    PER_CHUNK = ("tail", "tail1", "gl", "gl1")
-
-    def __init__(self, b, g4, n, lens):
+    def __init__(self, b, g4, n, lens, second):
         f = lambda x: b.emit("Constant", [], value_float=float(x))   # noqa: E731
         pw = lambda e: b.emit("Pow", [g4, e])                        # noqa: E731
         mul = lambda x, y: b.emit("Mul", [x, y])                      # noqa: E731
@@ -145,12 +145,8 @@ class _Weights:
         tc, tr = b.unsq(t, 1), b.unsq(t, 0)                           # [n, 1], [1, n]
         D = sub(tc, tr)                                              # t - s
         self.L = floats(b.emit("Not", [b.emit("Less", [D, f(0)])]))
-        self.Ls = floats(b.emit("Greater", [D, f(0)]))
-        self.gt, self.gt1 = pw(tc), pw(sub(tc, f(1)))
+        self.gt = pw(tc)
         self.Gam = mul(pw(mx0(D)), self.L)
-        self.Gam1 = mul(pw(mx0(sub(D, f(1)))), self.Ls)
-        self.KW_unmasked = mul(self.gt, self.Gam)                    # g^t Gamma
-        self.KW_masked = sub(self.KW_unmasked, mul(self.gt1, self.L))   # - g^(t-1) L
         # per chunk: lens [NC] -> [NC, 1, 1, 1, 1], g5 [1, 1, H or 1, 1, 1]
         g5 = b.unsq(g4, 0)
         ln = b.emit("Reshape", [lens, b.const([-1, 1, 1, 1, 1])])
@@ -160,15 +156,22 @@ class _Weights:
             keep = floats(b.emit("Not", [b.emit("Less", [e, f(0)])]))
             return mul(b.emit("Pow", [g5, mx0(e)]), keep)
 
-        self.per_chunk = {"tail": masked_power(ex), "tail1": masked_power(sub(ex, f(1))),
-                          "gl": b.emit("Pow", [g5, ln]),
-                          "gl1": b.emit("Pow", [g5, sub(ln, f(1))])}
+        self.per_chunk = {"tail": masked_power(ex), "gl": b.emit("Pow", [g5, ln])}
+        if second:
+            self.Ls = floats(b.emit("Greater", [D, f(0)]))
+            self.gt1 = pw(sub(tc, f(1)))
+            self.Gam1 = mul(pw(mx0(sub(D, f(1)))), self.Ls)
+            self.KW_unmasked = mul(self.gt, self.Gam)                    # g^t Gamma
+            self.KW_masked = sub(self.KW_unmasked, mul(self.gt1, self.L))   # - g^(t-1) L
+            self.per_chunk.update(tail1=masked_power(sub(ex, f(1))),
+                                  gl1=b.emit("Pow", [g5, sub(ln, f(1))]))
+        self.names = tuple(self.per_chunk)
 
     def in_chunk(self, names):
         """These weights with the per-chunk ones named by the Scan body's inputs `names`."""
         w = object.__new__(_Weights)
         w.__dict__.update(self.__dict__)
-        w.__dict__.update(zip(self.PER_CHUNK, names))
+        w.__dict__.update(zip(self.names, names))
         return w
 
 
@@ -218,7 +221,7 @@ def _chunk(b, op, st, Q, K, Va, w, masked, ridge):
         new = [S2, Ca2, Ga2]
     elif asym:
         Pa, Ea = st
-        A = mul(tr(mm(K, tr(Q))), w.L)
+        A = mul(mm(Q, Kt), w.L)
         Pa2 = add(mul(gl, Pa), mm(Kt, tVa))
         QPa = mm(Q, Pa)
         Ea2 = add(mul(gl, Ea), mm(Kt, add(mul(gl, QPa), mm(A, tVa))))
@@ -231,7 +234,7 @@ def _chunk(b, op, st, Q, K, Va, w, masked, ridge):
         S2 = add(mul(gl, S), mm(Kt, mul(w.tail, K)))
         Pa2 = add(mul(gl, Pa), mm(Kt, tVa))
         Ya = add(mul(w.gt, mm(Q, Pa)), mm(WG, Va))
-        U = add(tr(mul(w.gt, mm(Q, S))), mm(Kt, tr(WG)))
+        U = add(mm(S, tr(mul(w.gt, Q))), mm(Kt, tr(WG)))   # column s: g^s S q_s + ...
         Fa2 = add(mul(gl, Fa), mm(U, mul(w.tail, Ya)))
         M = mul(mm(Q, U), w.Gam)
         out = add(mul(w.gt, mm(Q, Fa)), mm(M, Ya))
@@ -278,7 +281,7 @@ def _typed(name, rank=4):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
 
 
-def _one_token(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge):
+def _one_token(b, op, init, q, k, v, g4, masked, normalize, eps, ridge):
     """(o [B, H, 1, Dv], new state) of a single token (T = 1: a decode step), the operators'
     `reference.step`, with no Scan."""
     g3 = b.sq(g4, -1)
@@ -290,7 +293,7 @@ def _one_token(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge):
     return b.unsq(out, 2), new
 
 
-def _chunks(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge, dims):
+def _chunks(b, op, init, q, k, v, g4, masked, normalize, eps, ridge, names, dims):
     """(o [B, H, T, Dv], new state) of T tokens, a Scan over chunks of n = min(T, CHUNK) (zeros
     padding the last; `_chunk` on [matrix | vector] state pairs, v with a column of ones)."""
     B, H, dv = dims
@@ -299,14 +302,15 @@ def _chunks(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge, dims
     init = [b.emit("Concat", [init[n], b.unsq(init[PAIRS[n]], -1)], axis=-1)
             if n in PAIRS else init[n] for n in carried]
     T = b.emit("Slice", [b.emit("Shape", [q]), b.const([2]), b.const([3])])
-    n = b.emit("Min", [T, b.const([CHUNK])])
+    n = b.emit("Max", [b.emit("Min", [T, b.const([CHUNK])]), b.const([1])])   # (T = 0: no
+    # division by zero; ONNX Runtime then refuses the empty Scan with an error)
     NC = b.emit("Div", [b.emit("Sub", [b.emit("Add", [T, n]), b.const([1])]), n])
     Tc = b.emit("Mul", [NC, n])
     to_float = lambda x: b.emit("Cast", [b.sq(x, 0)], to=TensorProto.FLOAT)  # noqa: E731
     starts = b.emit("Range", [b.emit("Constant", [], value_float=0.0), to_float(Tc),
                               to_float(n)])
     lens = b.emit("Min", [b.emit("Sub", [to_float(T), starts]), to_float(n)])
-    w = _Weights(b, g4, n, lens)
+    w = _Weights(b, g4, n, lens, op == (2, False))
 
     def chunked(x):   # [B, H, T, d] -> [B, H, NC, n, d], zeros after the last token
         d = b.emit("Slice", [b.emit("Shape", [x]), b.const([3]), b.const([4])])
@@ -320,14 +324,14 @@ def _chunks(b, op, names, init, q, k, v, g4, masked, normalize, eps, ridge, dims
     Va = b.emit("Concat", [v, ones], axis=-1)                    # [V | 1]
     body = _Body("c")
     st_in = [f"st_{n}" for n in carried]
-    xs = ["q_c", "k_c", "v_c"] + [f"{n}_c" for n in _Weights.PER_CHUNK]
+    xs = ["q_c", "k_c", "v_c"] + [f"{n}_c" for n in w.names]
     new, out = _chunk(body, op, st_in, *xs[:3], w.in_chunk(xs[3:]), masked, ridge)
     outs = [body.emit("Identity", [x]) for x in new + [out]]
     graph = helper.make_graph(body.nodes, "hla_chunk", [_typed(x) for x in st_in + xs],
                               [_typed(x) for x in outs])
     res = b.emit("Scan", init + [chunked(q), chunked(k), chunked(Va)] +
-                 [w.per_chunk[n] for n in _Weights.PER_CHUNK], n_out=len(carried) + 1,
-                 body=graph, num_scan_inputs=len(xs), scan_input_axes=[2, 2, 2, 0, 0, 0, 0],
+                 [w.per_chunk[n] for n in w.names], n_out=len(carried) + 1, body=graph,
+                 num_scan_inputs=len(xs), scan_input_axes=[2, 2, 2] + [0] * len(w.names),
                  scan_output_axes=[2])
     out = b.emit("Reshape", [res[-1], b.emit("Concat", [B, H, Tc, b.const([-1])], axis=0)])
     out = b.emit("Slice", [out, b.const([0]), T, b.const([2])])   # [num | den]
@@ -381,9 +385,9 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
             "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in sizes]
     branches = {}
     for label, prefix, make, extra in (("then_branch", "t", _one_token, ()),
-                                       ("else_branch", "e", _chunks, (dims,))):
+                                       ("else_branch", "e", _chunks, (names, dims))):
         b = _Body(prefix)
-        o, new = make(b, op, names, init, "q", k, v, g4, masked, normalize, eps, ridge, *extra)
+        o, new = make(b, op, init, "q", k, v, g4, masked, normalize, eps, ridge, *extra)
         outs = [b.emit("Identity", [x]) for x in [o] + new]
         branches[label] = helper.make_graph(b.nodes, f"hla_{label}", [], [
             _typed(x, 3 if n in VECTOR_STATES else 4) for x, n in zip(outs, ("o",) + names)])
@@ -394,6 +398,65 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
     for name, r in zip(names, res[1:]):
         r = _first_of_group(outer, r, shapes) if name in kv else r
         outer.nodes.append(helper.make_node("Identity", [r], [f"{name}_out"]))
+    defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
+    return helper.make_function(
+        DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
+        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", opset)],
+        attribute_protos=defaults,
+        overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
+
+
+def _serial_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
+                     state_input=True, opset=OPSET):
+    """The body files exported before the chunk form carry (accepted by `check_functions`: the
+same operator, a Scan over the tokens), node for node as they were written."""
+    op = (order, asymmetric)
+    if op not in STATE_NAMES:
+        raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator")
+    names = STATE_NAMES[op]
+    kv = _kv_state(order, asymmetric)
+    outer, shapes = _Body("f"), {}
+
+    def attr_const(name):
+        out = outer.emit("Constant", [], value_float=0.0)
+        outer.nodes[-1].attribute[0].ref_attr_name = name
+        return out
+
+    eps, ridge = attr_const("eps"), attr_const("ridge")
+    gamma = "decay_heads" if decay_input else attr_const("decay")
+    g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
+    g3 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1])])
+    k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
+    perm = [2, 0, 1, 3]
+    qT, kT, vT = (outer.emit("Transpose", [x], perm=perm) for x in ("q", k, v))
+    if state_input:
+        init = [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
+    else:
+        dims = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
+                else ("B", "H", "dk") for n in names]
+        init = [outer.emit("ConstantOfShape", [outer.emit(
+            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in dims]
+
+    body = _Body("s")
+    st_in = [f"st_{n}" for n in names]
+    new, out = _step(body, op, st_in, "q_t", "k_t", "v_t", g4, g3, masked, normalize, eps, ridge)
+    outs = [body.emit("Identity", [x]) for x in new] + [body.emit("Identity", [out])]
+
+    def typed(name, rank):  # float32, symbolic dims
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
+
+    ranks = [3 if n in VECTOR_STATES else 4 for n in names]
+    graph = helper.make_graph(
+        body.nodes, "hla_step",
+        [typed(x, r) for x, r in zip(st_in, ranks)] + [typed(x, 3) for x in ("q_t", "k_t", "v_t")],
+        [typed(x, r) for x, r in zip(outs, ranks + [3])])
+    res = outer.emit("Scan", init + [qT, kT, vT], n_out=len(names) + 1, body=graph,
+                     num_scan_inputs=3)
+    o = outer.emit("Transpose", [res[-1]], perm=[1, 2, 0, 3])
+    outer.nodes.append(helper.make_node("Identity", [o], ["o"]))
+    for n, r in zip(names, res[:-1]):
+        r = _first_of_group(outer, r, shapes) if n in kv else r
+        outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
     defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
     return helper.make_function(
         DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
@@ -526,9 +589,9 @@ def add_functions(model):
 def check_functions(model, require=True):
     """ValueError naming the first `hla_tvm::HLA` node whose function body the model lacks
     (with `require`: without one, ONNX Runtime and other runtimes cannot run the node), or
-    carries in another form than the one its attributes define (`make_function`): ONNX Runtime
-    runs the body and TVM the attributes, so a body that computed something else would give
-    two answers."""
+    carries in another form than the one its attributes define (`make_function`, or the
+    per-token Scan of files exported before it, `_serial_function`): ONNX Runtime runs the body
+    and TVM the attributes, so a body that computed something else would give two answers."""
     have = {(f.domain, f.name, f.overload): f for f in model.functions}
     checked = set()
     for n in hla_nodes(model.graph):
@@ -542,10 +605,11 @@ def check_functions(model, require=True):
                 f"{n.overload or '(none)'!r} (expected {var['overload']!r}), so a runtime "
                 "without hla_tvm cannot run it; add it with hla_tvm.onnx.add_functions(model)")
         if key not in checked:
-            want = make_function(var["order"], var["asymmetric"], var["masked"],
-                                 var["normalize"], var["decay_input"], var["state_input"],
-                                 model_opset(model))
-            if _body(have[key]) != _body(want):
+            args = (var["order"], var["asymmetric"], var["masked"], var["normalize"],
+                    var["decay_input"], var["state_input"], model_opset(model))
+            body = _body(have[key])
+            if body != _body(make_function(*args)) and \
+                    body != _body(_serial_function(*args)):
                 raise ValueError(
                     f"{describe(n)}: the model's function body for overload {n.overload!r} is "
                     "not the one its attributes define (altered, or written by another "

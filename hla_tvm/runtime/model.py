@@ -458,6 +458,8 @@ class CompiledModel:
         # (a slice turns the returned array into a list in one pass: iterating it costs an FFI
         # size call and an index check per element, 16 us a decode step of the demo model)
         if chooser is None:
+            if not self.on_gpu:   # (its fixed count, where another call on this thread changed it)
+                use_threads(self.threads)
             res = vm[entry](tokens, *state)[:]
         else:
             # (the pool as the chooser set it, where another call on this thread changed it)

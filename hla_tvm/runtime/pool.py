@@ -56,14 +56,16 @@ def import_tvm_runtime():
     return tvm
 
 
-_WRITTEN = []   # the $TVM_NUM_THREADS value `set_threads` wrote (for TVM's pool), if any
+# names the $TVM_NUM_THREADS value `set_threads` wrote (for TVM's pool): in the environment, so
+# that child processes, which inherit both, do not take it for the user's
+WROTE_ENV = "HLA_TVM_WROTE_TVM_NUM_THREADS"
 
 
 def env_threads():
     """$TVM_NUM_THREADS as a positive int set by the user, or 0 when unset, not a number, or
-    the value `set_threads` wrote itself."""
+    the value `set_threads` wrote itself (here or in a parent process)."""
     env = os.environ.get("TVM_NUM_THREADS", "")
-    if _WRITTEN and env == _WRITTEN[-1]:
+    if env and env == os.environ.get(WROTE_ENV):
         return 0
     return int(env) if env.isdigit() else 0
 
@@ -85,28 +87,28 @@ def set_threads(threads=None):
     raw = os.environ.get("TVM_NUM_THREADS", "")
     env = int(raw) if raw.isdigit() else 0   # (the pool's size: the user's value or ours)
     if env < threads:
-        os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the pool is created
-        _WRITTEN.append(str(threads))
+        os.environ["TVM_NUM_THREADS"] = os.environ[WROTE_ENV] = str(threads)  # (read when
+        # the pool is created)
     _configure(tvm, threads)
-    _LOCAL.threads = threads
+    _LOCAL.threads = _LOCAL.requested = threads
     return threads
 
 
 _SIZED = []
 _LOCAL = threading.local()
-# the CPUs this process may run on, as it started (before TVM's pool could pin a thread)
-_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 _SHARE_ALL_CORES = -3   # TVM's ThreadGroup::kSpecifyThreadShareAllCore
 
 
 def _configure(tvm, n):
     """This thread's TVM pool runs kernels on `n` workers, every one of them (the calling
-    thread included) free to run on any of the process's CPUs. TVM's default mode pins each
-    worker to one core, the calling thread to the first: a thread of the user's (a server's,
-    a test worker's) was left on CPU 0 alone, with every thread it started later."""
+    thread included) free to run on any of the CPUs the calling thread may use now (its
+    affinity, read at each call: whatever the user or a launcher set is kept). TVM's default
+    mode pins each worker to one core, the calling thread to the first: a thread of the
+    user's (a server's, a test worker's) was left on CPU 0 alone, with every thread it started
+    later."""
     config = tvm.get_global_func("runtime.config_threadpool")
-    if _CPUS:
-        config(_SHARE_ALL_CORES, n, [str(c) for c in _CPUS])
+    if hasattr(os, "sched_getaffinity"):
+        config(_SHARE_ALL_CORES, n, [str(c) for c in sorted(os.sched_getaffinity(0))])
     else:   # (no affinity on this platform: nothing is pinned)
         config(1, n)
 
@@ -120,8 +122,12 @@ def use_threads(n):
 
 
 def default_threads():
-    """The worker count kernels run with unless a call chooses (`Adaptive`):
-    $TVM_NUM_THREADS when set, else one per physical core (counted once)."""
+    """The worker count kernels run with unless a call chooses (`Adaptive`): what
+    `set_threads` set on this thread, else $TVM_NUM_THREADS when set, else one per physical
+    core (counted once)."""
+    requested = getattr(_LOCAL, "requested", None)
+    if requested:
+        return requested
     if not _CORES:
         _CORES.append(physical_cores())
     return env_threads() or _CORES[0]
