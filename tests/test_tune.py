@@ -221,3 +221,18 @@ def test_the_local_runner_fills_arguments_as_the_final_comparison_does():
     for arg in args[:3]:
         x = arg.numpy().astype(np.float64)
         assert 0.9 <= x.min() and x.max() <= 1.0
+
+
+def test_shipped_records_give_no_notice_for_kernels_they_lack(monkeypatch, tmp_path):
+    """A kernel without a record in a folder the user tuned is named in a notice; in the
+    package's own records (tuned at one shape) it is not: its default schedule is expected."""
+    import warnings
+
+    monkeypatch.setattr(records, "tuned", lambda *a: None)
+    kernels = {"hla2_chunk_output": (object(), None)}
+    shipped = os.path.join(records.package_root(), "llvm-znver4-2c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records.pick(kernels, object(), None, where=" in shipped", path=shipped)
+    with pytest.warns(UserWarning, match="1 kernel.s. without a tuned record"):
+        records.pick(kernels, object(), None, where=" in mine", path=str(tmp_path))
