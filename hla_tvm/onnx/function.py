@@ -353,18 +353,17 @@ def _chunks(b, op, init, q, k, v, g4, masked, normalize, eps, ridge, names, dims
     return o, [final[name] for name in names]
 
 
-def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
-                  state_input=True, opset=OPSET):
-    """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring), importing
-    the standard ops at `opset` (the model's: OPSET, or 21 in a file with quantized weights;
-    the ops it uses mean the same in both)."""
+def _signature(order, asymmetric):
+    """(op, state names, key/value-only entries) of the operator; ValueError for none."""
     op = (order, asymmetric)
     if op not in STATE_NAMES:
         raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator")
-    names = STATE_NAMES[op]
-    kv = _kv_state(order, asymmetric)
-    outer, shapes = _Body("f"), {}
+    return op, STATE_NAMES[op], _kv_state(order, asymmetric)
 
+
+def _attributes(outer, decay_input):
+    """(eps, ridge, gamma, g4 [1, H or 1, 1, 1]): the attributes as values of the body (gamma
+    the decay_heads input where it is given, else the decay attribute)."""
     def attr_const(name):
         out = outer.emit("Constant", [], value_float=0.0)
         outer.nodes[-1].attribute[0].ref_attr_name = name
@@ -372,17 +371,47 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
 
     eps, ridge = attr_const("eps"), attr_const("ridge")
     gamma = "decay_heads" if decay_input else attr_const("decay")
-    g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
+    return eps, ridge, gamma, outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])
+
+
+def _initial_state(outer, names, kv, state_input, shapes):
+    """The state entering the sequence, every entry with H heads: the state inputs
+    (key/value-only entries repeated per group), else zeros."""
+    if state_input:
+        return [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
+    dims = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
+            else ("B", "H", "dk") for n in names]
+    return [outer.emit("ConstantOfShape", [outer.emit(
+        "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in dims]
+
+
+def _function(outer, shapes, o, state, names, kv, variant, opset):
+    """The FunctionProto whose body is `outer`'s nodes, with outputs o and the final `state`
+    (key/value-only entries taken at the first query head of each group); `variant`: the
+    arguments of `overload_name`."""
+    outer.nodes.append(helper.make_node("Identity", [o], ["o"]))
+    for n, r in zip(names, state):
+        r = _first_of_group(outer, r, shapes) if n in kv else r
+        outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
+    defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
+    return helper.make_function(
+        DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
+        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", opset)],
+        attribute_protos=defaults, overload=overload_name(*variant))
+
+
+def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
+                  state_input=True, opset=OPSET):
+    """The FunctionProto of `hla_tvm::HLA` for one variant (see the module docstring), importing
+    the standard ops at `opset` (the model's: OPSET, or 21 in a file with quantized weights;
+    the ops it uses mean the same in both)."""
+    op, names, kv = _signature(order, asymmetric)
+    outer, shapes = _Body("f"), {}
+    eps, ridge, _, g4 = _attributes(outer, decay_input)
     dims = [_shape_of(outer, d, shapes) for d in ("B", "H", "dv")]   # (made here, outside
     # the branches that use them)
     k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
-    if state_input:
-        init = [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
-    else:
-        sizes = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
-                 else ("B", "H", "dk") for n in names]
-        init = [outer.emit("ConstantOfShape", [outer.emit(
-            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in sizes]
+    init = _initial_state(outer, names, kv, state_input, shapes)
     branches = {}
     for label, prefix, make, extra in (("then_branch", "t", _one_token, ()),
                                        ("else_branch", "e", _chunks, (names, dims))):
@@ -394,75 +423,37 @@ def make_function(order=2, asymmetric=False, masked=True, normalize=False, decay
     T = outer.emit("Slice", [outer.emit("Shape", ["q"]), outer.const([2]), outer.const([3])])
     one = outer.sq(outer.emit("Equal", [T, outer.const([1])]), 0)
     res = outer.emit("If", [one], n_out=len(names) + 1, **branches)
-    outer.nodes.append(helper.make_node("Identity", [res[0]], ["o"]))
-    for name, r in zip(names, res[1:]):
-        r = _first_of_group(outer, r, shapes) if name in kv else r
-        outer.nodes.append(helper.make_node("Identity", [r], [f"{name}_out"]))
-    defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
-    return helper.make_function(
-        DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
-        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", opset)],
-        attribute_protos=defaults,
-        overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
+    return _function(outer, shapes, res[0], res[1:], names, kv,
+                     (order, asymmetric, masked, normalize, decay_input, state_input), opset)
 
 
 def _serial_function(order=2, asymmetric=False, masked=True, normalize=False, decay_input=True,
                      state_input=True, opset=OPSET):
     """The body files exported before the chunk form carry (accepted by `check_functions`: the
-same operator, a Scan over the tokens), node for node as they were written."""
-    op = (order, asymmetric)
-    if op not in STATE_NAMES:
-        raise ValueError(f"order={order} with asymmetric={asymmetric} is not an HLA operator")
-    names = STATE_NAMES[op]
-    kv = _kv_state(order, asymmetric)
+    same operator, a Scan over the tokens), node for node as they were written."""
+    op, names, kv = _signature(order, asymmetric)
     outer, shapes = _Body("f"), {}
-
-    def attr_const(name):
-        out = outer.emit("Constant", [], value_float=0.0)
-        outer.nodes[-1].attribute[0].ref_attr_name = name
-        return out
-
-    eps, ridge = attr_const("eps"), attr_const("ridge")
-    gamma = "decay_heads" if decay_input else attr_const("decay")
-    g4 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1, 1])])   # [1, H or 1, 1, 1]
+    eps, ridge, gamma, g4 = _attributes(outer, decay_input)
     g3 = outer.emit("Reshape", [gamma, outer.const([1, -1, 1])])
     k, v = (_repeat_heads(outer, x, shapes) for x in ("k", "v"))
     perm = [2, 0, 1, 3]
     qT, kT, vT = (outer.emit("Transpose", [x], perm=perm) for x in ("q", k, v))
-    if state_input:
-        init = [_repeat_heads(outer, f"{n}_in", shapes) if n in kv else f"{n}_in" for n in names]
-    else:
-        dims = [("B", "H", "dk") + (("dk",) if n == "S" else ("dv",)) if n not in VECTOR_STATES
-                else ("B", "H", "dk") for n in names]
-        init = [outer.emit("ConstantOfShape", [outer.emit(
-            "Concat", [_shape_of(outer, d, shapes) for d in ds], axis=0)]) for ds in dims]
-
+    init = _initial_state(outer, names, kv, state_input, shapes)
     body = _Body("s")
     st_in = [f"st_{n}" for n in names]
     new, out = _step(body, op, st_in, "q_t", "k_t", "v_t", g4, g3, masked, normalize, eps, ridge)
     outs = [body.emit("Identity", [x]) for x in new] + [body.emit("Identity", [out])]
-
-    def typed(name, rank):  # float32, symbolic dims
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [None] * rank)
-
     ranks = [3 if n in VECTOR_STATES else 4 for n in names]
     graph = helper.make_graph(
         body.nodes, "hla_step",
-        [typed(x, r) for x, r in zip(st_in, ranks)] + [typed(x, 3) for x in ("q_t", "k_t", "v_t")],
-        [typed(x, r) for x, r in zip(outs, ranks + [3])])
+        [_typed(x, r) for x, r in zip(st_in, ranks)] +
+        [_typed(x, 3) for x in ("q_t", "k_t", "v_t")],
+        [_typed(x, r) for x, r in zip(outs, ranks + [3])])
     res = outer.emit("Scan", init + [qT, kT, vT], n_out=len(names) + 1, body=graph,
                      num_scan_inputs=3)
     o = outer.emit("Transpose", [res[-1]], perm=[1, 2, 0, 3])
-    outer.nodes.append(helper.make_node("Identity", [o], ["o"]))
-    for n, r in zip(names, res[:-1]):
-        r = _first_of_group(outer, r, shapes) if n in kv else r
-        outer.nodes.append(helper.make_node("Identity", [r], [f"{n}_out"]))
-    defaults = [helper.make_attribute(k, v) for k, v in ATTRIBUTES.items()]
-    return helper.make_function(
-        DOMAIN, OP_TYPE, ["q", "k", "v", "decay_heads"] + [f"{n}_in" for n in names],
-        ["o"] + [f"{n}_out" for n in names], outer.nodes, [helper.make_opsetid("", opset)],
-        attribute_protos=defaults,
-        overload=overload_name(order, asymmetric, masked, normalize, decay_input, state_input))
+    return _function(outer, shapes, o, res[:-1], names, kv,
+                     (order, asymmetric, masked, normalize, decay_input, state_input), opset)
 
 
 def node(inputs, outputs, *, order=2, asymmetric=False, masked=True, normalize=False, eps=1e-6,
