@@ -62,7 +62,7 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
     def make():
         kernels = records.tuning_kernels(chain, dk, dv, chunk=chunk, group=group, **opts)
         return records.pick(kernels, None if path is None else records.load(path), target,
-                            where=f" in {path}", path=path)
+                            path=path)
 
     names = {chains.kernel_name(chain, call, dk, dv, group) for call in chain.calls}
     return build.load_or_build(spec, make, target, names=names)

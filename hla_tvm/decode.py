@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import time
 
 import numpy as np
 import torch
@@ -186,10 +185,7 @@ class _Plan:
         chooser = getattr(self._local, "chooser", None)
         if chooser is None:
             chooser = self._local.chooser = Adaptive(default_threads(), use_threads)
-        use_threads(chooser.before())   # (another call on this thread may have changed it)
-        t0 = time.perf_counter()
-        self.fn(*args)
-        chooser.after(time.perf_counter() - t0)
+        chooser.run(self.fn, *args)
 
     def _run_grouped(self, q, k, v, st, out):
         """The kernels run every query head (reading key/value head h // group of k, v): the

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import weakref
 import zipfile
 
@@ -23,11 +22,11 @@ import numpy as np
 
 from . import libfile
 from .pool import (
-                   Adaptive,
-                   env_threads,
-                   import_tvm_runtime as _import_tvm_runtime,
-                   set_threads,
-                   use_threads,
+    Adaptive,
+    env_threads,
+    import_tvm_runtime as _import_tvm_runtime,
+    set_threads,
+    use_threads,
 )
 
 MODULE_FORMAT = "hla_tvm.module/1"
@@ -462,11 +461,7 @@ class CompiledModel:
                 use_threads(self.threads)
             res = vm[entry](tokens, *state)[:]
         else:
-            # (the pool as the chooser set it, where another call on this thread changed it)
-            use_threads(chooser.before())
-            t0 = time.perf_counter()
-            res = vm[entry](tokens, *state)[:]
-            chooser.after(time.perf_counter() - t0)
+            res = chooser.run(lambda: vm[entry](tokens, *state)[:])
         tensors = res[1:]
         if self.on_gpu:
             new_state = tensors

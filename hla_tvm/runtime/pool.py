@@ -220,6 +220,16 @@ class Adaptive:
                 self.reprobe_s = self.REPROBE_S
                 self._probe()
 
+    def run(self, fn, *args):
+        """fn(*args) on the count `before` picks, set again first (another call on this thread
+        may have changed the pool; `configure` must cost nothing when the count is the same,
+        as `use_threads` does), its time passed to `after`. Returns fn's result."""
+        self.configure(self.before())
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.after(time.perf_counter() - t0)
+        return out
+
     def _probe(self):
         self.times = {}
         others = [n for n in self.candidates if n != 1]

@@ -94,8 +94,8 @@ def schedule_model(mod, target, path=None):
     if not found:
         return mod, {"from_records": [], "default": []}
     db = None if path is None else records.load(path)
-    picked = records.pick(found, db, target, where=f" in {path}",   # (notice: HLA kernels)
-                          quiet=set(projections), path=path)
+    picked = records.pick(found, db, target, quiet=set(projections),   # (notice: HLA kernels)
+                          path=path)
     used = {"from_records": sorted(n for n, f in picked.items() if TUNED in f.attrs),
             "default": sorted(n for n, f in picked.items() if TUNED not in f.attrs)}
     mod = mod.clone()

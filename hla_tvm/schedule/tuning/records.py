@@ -228,13 +228,13 @@ the Relax fusion attribute a model's copy carries."""
     return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
 
 
-def pick(kernels, db, target, *, where="", quiet=(), path=None):
+def pick(kernels, db, target, *, quiet=(), path=None):
     """{name: PrimFunc} for kernels {name: (PrimFunc, argument shapes at TUNE_SHAPE)}: each one
     scheduled from its record in `db` and marked `schedule.TUNED`, or as given (for the default
     rules) where db is None or holds no record for it; a one-line notice names the kernels
-    (but those in `quiet`) left to the default schedules when db holds records, unless `path`,
-    the records folder, is the package's own (shipped records cover the shapes they were
-    tuned at; any other shape's default schedule is what the user asked for)."""
+    (but those in `quiet`) left to the default schedules when db, read from the folder `path`,
+    holds records, unless the folder is the package's own (shipped records cover the shapes
+    they were tuned at; any other shape's default schedule is what the user asked for)."""
     from .. import TUNED
 
     out, missing = {}, []
@@ -246,6 +246,7 @@ def pick(kernels, db, target, *, where="", quiet=(), path=None):
     shipped = path is not None and display(path).startswith("shipped:")
     if db is not None and missing and not shipped:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        where = "" if path is None else f" in {path}"
         warnings.warn(f"hla_tvm: {len(missing)} kernel(s) without a tuned record{where} use the "
                       f"default schedule: {names} (hla-tvm tune writes records)", stacklevel=2)
     return out
