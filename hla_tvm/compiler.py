@@ -120,21 +120,20 @@ def prepare(mod, target, quantize=None):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
     scheduled: embedding lookups clamped (`safe_take`), one-sided integer clamps bounded
     (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), projection scales next to
-    their products (`scale_epilogue`), with `quantize` (a `quant.Scheme`) the weights packed
-    and read by dequantizing kernels (`quantize_weights`), then `legalize`d. Returns the module,
-    or (module, the packing's report) when `quantize` is given."""
+    their products (`scale_epilogue`), the weights stored as the kernels read them
+    (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), then
+    `legalize`d. Returns the module, or (module, the packing's report) when `quantize` is
+    given."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.int_clip import int_clip
+    from .frontend.pack_weights import pack_weights
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
     mod = scale_epilogue(fused_rms_norm(int_clip(safe_take(mod))))
-    if quantize is None:
-        return legalize(mod, target)
-    from .frontend.quantize_weights import quantize_weights
-
-    mod, report = quantize_weights(mod, quantize)
-    return legalize(mod, target), report
+    mod, report = pack_weights(mod, quantize, target)
+    mod = legalize(mod, target)
+    return mod if quantize is None else (mod, report)
 
 
 def legalize(mod, target):

@@ -50,7 +50,8 @@ def test_module_holds_one_copy_of_the_weights(shipped):
 
 def test_module_takes_its_kernels_from_the_shipped_records(shipped):
     """On a CPU the project ships records for (`schedules/`), the compiled demo model takes
-    every HLA kernel from them (a record holds the faster of the tuned and default schedule)."""
+    every HLA kernel from them (a record holds the faster of the tuned and default schedule);
+    its projections, which the records do not hold, take the default tiles."""
     from hla_tvm.schedule.tuning import records
 
     _, path = shipped
@@ -61,7 +62,8 @@ def test_module_takes_its_kernels_from_the_shipped_records(shipped):
                     f"{sorted(os.listdir(records.package_root()))}")
     if os.path.isdir(os.path.join(records.user_root(), folder)):
         pytest.skip(f"the user's own records for {folder} come first")
-    assert used["records"] == f"shipped:{folder}" and used["default"] == []
+    assert used["records"] == f"shipped:{folder}"
+    assert used["default"] and all("matmul" in n for n in used["default"]), used["default"]
     assert len([n for n in used["from_records"] if n.startswith("hla2")]) == 5
 
 

@@ -1,13 +1,15 @@
-"""Relax rewrite: a model's float32 weights stored packed (`hla_tvm.quant`) and read by kernels
-that dequantize them in their inner loops.
+"""Relax rewrite: a model's weights stored as the kernels read them, packed under a quantization
+scheme (`hla_tvm.quant`) or float32, in panels on CPUs (`quant.panels`), and read by kernels that
+dequantize them in their inner loops (`quant.kernels`).
 
     matmul(x, permute_dims(W [N, K]))  or  matmul(x, W [K, N])   ->  quant.kernels.matmul
     take(E [N, K], ids, axis=0)                                  ->  quant.kernels.take
 
-with W, E Relax constants (a model's parameters). Every weight is packed once in the [K, N]
+with W, E Relax constants (a model's parameters). Every weight is stored once in the [K, N]
 layout a projection reads: an embedding table tied to the output head (one constant, or equal
-bytes) is one packed tensor serving both. A weight whose K does not split into the scheme's
-groups stays float32 (`kept`)."""
+bytes) is one stored tensor serving both. A weight whose K does not split into the scheme's
+groups stays as it was (`kept`); so does a float32 embedding table that no product reads
+(a lookup reads its rows whole)."""
 from __future__ import annotations
 
 import hashlib
@@ -15,37 +17,57 @@ import hashlib
 import numpy as np
 
 
-def quantize_weights(mod, sch):
-    """(`mod` with its weights packed under the scheme `sch`, {"packed": count, "kept":
-    [shapes left float32], "bytes": stored bytes of the packed weights, "float_bytes": their
-    float32 bytes}). The caller's module is unchanged."""
+def panel_width(n, target):
+    """The panel width P (`quant.panels`) of a weight with N = `n` columns compiled for
+    `target`: the one-row register tile's width, or None (the [R, N] layout: GPUs, or no
+    tile width dividing N)."""
+    if target.kind.name != "llvm":
+        return None
+    from ..schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
+
+    return tile_shape(1, n, vector_lanes(target))[1]
+
+
+def pack_weights(mod, sch, target):
+    """(`mod` with its weights stored under the scheme `sch` (None: float32) in the layout of
+    `target` (`panel_width`), {"packed": count, "kept": [shapes left as they were],
+    "bytes": stored bytes of the packed weights, "float_bytes": their float32 bytes}). The
+    caller's module is unchanged."""
     import tvm
     from tvm import relax
 
     from ..quant import kernels
+    from ..quant.panels import to_panels
     from ..quant.scheme import nbytes, quantize
 
     matmul_op, permute_op, take_op = (tvm.ir.Op.get(f"relax.{n}")
                                       for n in ("matmul", "permute_dims", "take"))
-    packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const or None)
+    packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width) or None
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
+    phase = {"products": True}   # the pass rewrites the products, or the lookups
 
-    def pack(w):
-        """The (q, scale) constants of the float32 [K, N] weight `w`, or None (kept float)."""
-        key = hashlib.sha256(np.ascontiguousarray(w).tobytes() + repr(w.shape).encode())
-        key = key.hexdigest()
+    def key_of(w):
+        data = np.ascontiguousarray(w).tobytes() + repr(w.shape).encode()
+        return hashlib.sha256(data).hexdigest()
+
+    def pack(w, key):
+        """The (q, scale or None, panel width) of the float32 [K, N] weight `w`, or None (kept
+        as it was)."""
         if key not in packed:
-            if not sch.fits(w.shape[0]):
+            p = panel_width(w.shape[1], target)
+            if sch is None and p is None:
+                packed[key] = None   # float32 in the layout it has: nothing to store anew
+            elif sch is not None and not sch.fits(w.shape[0]):
                 report["kept"].append(list(w.shape))
                 packed[key] = None
             else:
-                arrays = quantize(sch, w)
+                arrays = {"q": w} if sch is None else quantize(sch, w)
                 report["packed"] += 1
                 report["bytes"] += nbytes(arrays)
                 report["float_bytes"] += int(w.nbytes)
                 scale = arrays.get("scale")
-                packed[key] = (relax.const(arrays["q"]),
-                               None if scale is None else relax.const(scale))
+                packed[key] = (relax.const(to_panels(arrays["q"], p)),
+                               None if scale is None else relax.const(scale), p)
         return packed[key]
 
     def constant(expr, lookup):
@@ -63,7 +85,7 @@ def quantize_weights(mod, sch):
         return data if data.dtype == np.float32 and data.ndim == 2 else None
 
     @relax.expr_functor.mutator
-    class _Quantize(relax.PyExprMutator):
+    class _Pack(relax.PyExprMutator):
         def _weight(self, expr):
             """The float32 [K, N] weight a matmul's right operand is, or None."""
             const, call = constant(expr, self.lookup_binding)
@@ -79,13 +101,17 @@ def quantize_weights(mod, sch):
 
         def _call(self, name, data, w):
             """call_tir of the kernel `name` ("matmul": data = x; "take": data = ids) on the
-            packed [K, N] weight `w`, or None where `w` stays float32."""
-            found = pack(w)
+            stored [K, N] weight `w`, or None where `w` stays as it was."""
+            key = key_of(w)
+            if name == "take" and sch is None and key not in packed:
+                return None   # a float32 table that no product reads: its rows, as they are
+            found = pack(w, key)
             if found is None:
                 return None
-            q, scale = found
+            q, scale, p = found
             k, n = w.shape
-            extra = dict(sch=sch, k=k, n=n, group=sch.group(k))
+            extra = dict(sch=sch, k=k, n=n, group=None if sch is None else sch.group(k),
+                         panel=p)
 
             def te_fn(arg, qt, *st):
                 s = st[0] if st else None   # (bf16 has no scales)
@@ -94,11 +120,12 @@ def quantize_weights(mod, sch):
                 return kernels.take(qt, s, arg, **extra)
 
             return self.builder_.call_te(te_fn, data, q, *([] if scale is None else [scale]),
-                                         primfunc_name_hint=f"{sch.name}_{name}")
+                                         primfunc_name_hint=f"{sch.name}_{name}" if sch else
+                                         f"stored_{name}")
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            if call.op.same_as(matmul_op):
+            if call.op.same_as(matmul_op) and phase["products"]:
                 x = call.args[0]
                 if getattr(x.ty, "dtype", None) != "float32" or \
                         call.attrs.out_dtype not in (None, "", "float32", "void"):
@@ -106,7 +133,8 @@ def quantize_weights(mod, sch):
                 w = self._weight(call.args[1])
                 out = None if w is None else self._call("matmul", x, w)
                 return call if out is None else out
-            if call.op.same_as(take_op) and int(call.attrs.axis) == 0:
+            if call.op.same_as(take_op) and int(call.attrs.axis) == 0 and \
+                    not phase["products"]:
                 const, _ = constant(call.args[0], self.lookup_binding)
                 table = None if const is None else float_matrix(const)
                 if table is None:
@@ -115,9 +143,13 @@ def quantize_weights(mod, sch):
                 return call if out is None else out
             return call
 
-    mutator = _Quantize(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(
-                mutator.visit_expr(func)))
-    return mutator.builder_.get(), report
+    # the products first, so that a float32 table's lookups know whether a product reads it
+    for products in (True, False):
+        phase["products"] = products
+        mutator = _Pack(mod)
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(
+                    mutator.visit_expr(func)))
+        mod = mutator.builder_.get()
+    return mod, report

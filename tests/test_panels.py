@@ -1,0 +1,105 @@
+"""Weights stored in panels on CPUs (`quant.panels`, `frontend.pack_weights`): each value at its
+panel, row and column; a compiled model's products reading float32 panels, a tied table stored
+once, an untied table kept as rows; the module against float64 PyTorch."""
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+
+from hla_tvm.quant.panels import from_panels, to_panels
+
+FAST = {
+    "test_each_value_sits_at_its_panel_row_and_column",
+    "test_products_read_float32_panels_and_a_tied_table_is_stored_once[True]",
+    "test_products_read_float32_panels_and_a_tied_table_is_stored_once[False]",
+}
+
+
+def test_each_value_sits_at_its_panel_row_and_column():
+    q = np.arange(6 * 256, dtype=np.int64).reshape(6, 256)
+    panels = to_panels(q, 128)
+    assert panels.shape == (2, 6, 128) and panels.flags.c_contiguous
+    for r in range(6):
+        for n in range(256):
+            assert panels[n // 128, r, n % 128] == q[r, n]
+    np.testing.assert_array_equal(from_panels(panels), q)
+    assert to_panels(q, None) is q
+    with pytest.raises(ValueError, match="N = 100 columns do not split into panels of 128"):
+        to_panels(q[:, :100], 128)
+
+
+def _constants(mod):
+    """Shapes and dtypes of the distinct Relax constants (by value) `mod`'s Relax functions pass
+    to calls."""
+    import tvm
+    from tvm import relax
+
+    found = {}
+
+    def seen(expr):
+        if isinstance(expr, tvm.ir.expr.Constant):
+            data = expr.value.numpy()
+            found[data.tobytes() + repr(data.shape).encode()] = (data.shape, str(data.dtype))
+        elif isinstance(expr, relax.Tuple):
+            for field in expr.fields:
+                seen(field)
+        elif isinstance(expr, relax.Call):
+            for arg in expr.args:
+                seen(arg)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for block in func.body.blocks:
+                for binding in block.bindings:
+                    seen(binding.value)
+    return list(found.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
+    from hla_tvm.compiler import prepare, to_relax
+    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.models import HLALM
+    from hla_tvm.target import resolve
+
+    torch.manual_seed(0)
+    model = HLALM(256, 64, 1, 4, chunk_size=16, mlp_hidden=192, tie_embeddings=tied).eval()
+    target = resolve("llvm")
+    consts = _constants(prepare(to_relax(model, target=target), target))
+    p = panel_width(256, target)
+    assert p in (64, 128)   # the one-row tile's width: 128 on AVX-512, 64 below
+    panels = [s for s, d in consts if len(s) == 3 and d == "float32"]
+    # every product's weight W [K, N] (nn.Linear's [N, K], and the head) as [N / P, K, P]
+    weights = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if tied:
+        weights.append(model.embed.weight.shape)   # the head reads the table: N = vocab
+    for n, k in weights:
+        width = panel_width(n, target)
+        assert (n // width, k, width) in panels, (n, k, panels)
+    assert len(panels) == len(weights), panels
+    # no 2-D float32 weight is left beside them but an untied table, read by its rows
+    left = [s for s, d in consts if len(s) == 2 and d == "float32" and s[0] * s[1] >= 64 * 64]
+    assert left == ([] if tied else [(256, 64)]), left
+    heads = [s for s in panels if s == (256 // p, 64, p)]
+    assert len(heads) == 1   # tied: the head and the table are one stored tensor
+
+
+def test_untied_float32_module_equals_float64_pytorch(tmp_path):
+    """An untied head read from panels, the table by its rows: prefill and decode against the
+    model in float64."""
+    from hla_tvm import runtime
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+
+    torch.manual_seed(2)
+    model = HLALM(256, 64, 2, 4, chunk_size=16, mlp_hidden=256, tie_embeddings=False).eval()
+    path = compile_model(model, out=tmp_path / "m.so", schedules="default")
+    mod = runtime.load(path)
+    tokens = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, _ = model.double()(tokens, None)
+    state = mod.init_state(2)
+    got = torch.from_numpy(np.asarray(mod.prefill(tokens[:, :40].numpy(), state)[0]))
+    assert rel_err(got, want[:, :40]) <= 1e-4
+    step = torch.from_numpy(np.asarray(mod.decode(tokens[:, 40].numpy(), state)[0]))
+    assert rel_err(step, want[:, 40]) <= 1e-4
