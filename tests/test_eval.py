@@ -39,3 +39,34 @@ def test_eval_refuses_ids_beyond_the_vocabulary_in_one_line(compiled_lm, tmp_pat
     (tmp_path / "words.txt").write_text("one two")
     assert main(["eval", str(lib), "--file", str(tmp_path / "words.txt")]) == 2
     assert "whitespace-separated token ids" in capsys.readouterr().err
+
+
+def test_eval_runs_a_checkpoint_with_a_schemes_weights_in_pytorch(compiled_lm, tmp_path,
+                                                                   capsys):
+    """--quantize int4: the checkpoint's bits equal the float64 cross entropy of the model with
+    its weights packed and unpacked (`quant.torch_weights`, checked against an independent
+    quantization in test_quantize.py); a compiled module alone is refused."""
+    from hla_tvm.quant import scheme
+    from hla_tvm.quant.torch_weights import dequantized_model
+
+    model, lib = compiled_lm("hla2")
+    ckpt = tmp_path / "model.pt"
+    model.save(ckpt)
+    ids = torch.randint(0, 40, (200,), generator=torch.Generator().manual_seed(6))
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids.tolist())))
+    with torch.no_grad():
+        q_logits, _ = dequantized_model(model, scheme("int4")).double()(ids[None], None)
+        f_logits, _ = model.double()(ids[None], None)
+    model.float()
+    want = torch.nn.functional.cross_entropy(q_logits[0, :-1], ids[1:]).item() / math.log(2)
+    plain = torch.nn.functional.cross_entropy(f_logits[0, :-1], ids[1:]).item() / math.log(2)
+    assert abs(want - plain) > 1e-4   # the scheme does change the model
+    assert main(["eval", str(ckpt), "--quantize", "int4", "--file", str(tmp_path / "ids.txt"),
+                 "--piece", "64", "--json", str(tmp_path / "r.json")]) == 0
+    assert "int4 (group 32) (PyTorch)" in capsys.readouterr().out
+    row = json.loads((tmp_path / "r.json").read_text())["models"][0]
+    assert abs(row["bits"] - want) < 1e-4, (row, want, plain)
+    assert main(["eval", str(lib), "--quantize", "int8", "--file",
+                 str(tmp_path / "ids.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--quantize applies to checkpoints" in err, err

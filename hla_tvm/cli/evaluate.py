@@ -4,7 +4,9 @@ difference to it over the same tokens.
 
 A model is a compiled module (`.so`, run by TVM's runtime alone: quantized modules as they
 ship), a checkpoint (`HLALM.save`) or `module:factory` (`models.source`), both run by PyTorch in
-float32. The text runs through each
+float32; with `--quantize` PyTorch runs them with the weights a module of that scheme computes
+with (`quant.torch_weights.dequantized_model`), so a scheme's accuracy is measured without
+compiling. The text runs through each
 model as one sequence, `--piece` tokens per prefill call with the state carried, so every
 prediction sees all the text before it."""
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 
 import numpy as np
 
-from .args import positive
+from .args import positive, quantize_arguments
 
 
 def add_arguments(p):
@@ -33,6 +35,9 @@ def add_arguments(p):
                    help="evaluate the first N tokens of the text")
     p.add_argument("--piece", type=positive, default=4096,
                    help="tokens per prefill call (the state carries over between calls)")
+    quantize_arguments(p, "run the checkpoints and module:factory models in PyTorch with their "
+                          "weights as this scheme stores them (packed, then unpacked); compiled "
+                          "modules keep the scheme they were compiled with")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
 
 
@@ -71,14 +76,23 @@ class TorchLM:
         return out[0].numpy()
 
 
-def _open(path):
+def _open(path, sch=None):
+    """The model at `path`; a PyTorch one with its weights under the scheme `sch` (None:
+    float32)."""
     if str(path).endswith(".so"):
         from ..runtime import load
 
         return ModuleLM(load(path))
     from ..models.source import load
 
-    return TorchLM(load(path))
+    model = load(path)
+    if sch is None:
+        return TorchLM(model)
+    from ..quant.torch_weights import dequantized_model
+    from ..runtime.model import scheme_name
+
+    return TorchLM(dequantized_model(model, sch),
+                   weights=f"{scheme_name({'quantize': sch.as_meta()})} (PyTorch)")
 
 
 def held_out_bytes():
@@ -135,7 +149,14 @@ def evaluate(models, ids, piece):
 
 
 def main(args):
-    models = [_open(path) for path in args.models]
+    from ..quant import scheme
+
+    sch = scheme(args.quantize, args.group_size)
+    if sch is not None and all(str(p).endswith(".so") for p in args.models):
+        raise ValueError("--quantize applies to checkpoints and module:factory models (run in "
+                         "PyTorch); compiled modules keep the scheme they were compiled with, "
+                         "and every MODEL given is one")
+    models = [_open(path, sch) for path in args.models]
     byte_level = {m.vocab == "bytes" for m in models}
     if len(byte_level) != 1:
         raise ValueError("the models must all be byte-level or all not: their bits are of "
