@@ -152,7 +152,8 @@ def legalize(mod, target):
 def lowering_pipeline(target):
     """The Relax pipeline after `legalize` and `schedule.tuning.model.schedule_model`: default
     schedules for the functions not scheduled yet, then TVM's lowering and finalization passes
-    for the target's kind. CPU: `MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU
+    for the target's kind. CPU: `GroupMatvec` for a decode step's int8 / int4 products,
+    `MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU
     GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
     Reduction, GeneralReduction, Fallback)."""
     import tvm
@@ -167,10 +168,10 @@ def lowering_pipeline(target):
             + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from .schedule.rules.cpu import MatmulTiles, ParallelFallback
+    from .schedule.rules.cpu import GroupMatvec, MatmulTiles, ParallelFallback
 
     return tvm.transform.Sequential(
-        [dl.ApplyDefaultSchedule(MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
+        [dl.ApplyDefaultSchedule(GroupMatvec(), MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
                                  ParallelFallback())]
         + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
 

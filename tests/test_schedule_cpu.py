@@ -106,3 +106,48 @@ def test_chunk_gemm_tile_stays_on_the_stack(lanes, elem_bytes, rows, cols):
     r, c = shape
     assert rows % r == 0 and cols % c == 0 and c % lanes == 0
     assert r * c * elem_bytes < STACK_BYTES == 1024
+
+
+@pytest.mark.parametrize("name,group,batch", [("int4", 32, 1), ("int4", 32, 3),
+                                              ("int8", None, 2), ("int8", 32, 1)])
+def test_group_matvec_with_its_epilogue(name, group, batch):
+    """A decode step's product with packed weights in panels, the scales out of each group's
+    sum (`quant.kernels.group_matvec`, `GroupMatvec`), plus a residual add, for a symbolic
+    batch: against float64 numpy with the dequantized weights."""
+    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.quant.kernels import matmul
+    from hla_tvm.quant.panels import to_panels
+    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+    from hla_tvm.schedule.rules.cpu.group_matvec import GroupMatvec
+
+    k, n = 96, 256
+    sch = scheme(name, group)
+    p = panel_width(n, resolve_model_target("llvm"))
+    b = te.var("b", "int64")
+    x = te.placeholder(_i64(b, 1, k), name="x")
+    rows = k // 2 if name == "int4" else k
+    q = te.placeholder(_i64(n // p, rows, p), "uint8" if name == "int4" else "int8", name="q")
+    groups = k // sch.group(k)
+    s = te.placeholder(_i64(groups, n), name="s")
+    res = te.placeholder(_i64(b, 1, n), name="res")
+    mm = matmul(x, q, s, sch=sch, k=k, n=n, group=sch.group(k), panel=p, grouped=True)
+    out = te.compute(mm.shape, lambda *i: mm[i] + res[i], name="add")
+    func = te.create_prim_func([x, q, s, res, out])
+    plain = tvm.s_tir.Schedule(func)
+    names = {plain.get(blk).name_hint for blk in plain.get_child_blocks(plain.get_sblock("root"))}
+    assert "group_partial" in names and "group_scaled" in names   # the grouped form
+    w = RNG.standard_normal((k, n)).astype(np.float32) * 0.1
+    packed = quantize(sch, w)
+    tgt = resolve_model_target("llvm")
+    rule = GroupMatvec().apply(func.with_attr("global_symbol", "main"), tgt, False)
+    assert rule is not None, "the rule declined the function"
+    with tgt:
+        lib = tvm.compile(rule.mod, target=tgt)
+    xs = RNG.standard_normal((batch, 1, k)).astype(np.float32)
+    rs = RNG.standard_normal((batch, 1, n)).astype(np.float32)
+    got = tvm.runtime.tensor(np.zeros((batch, 1, n), np.float32))
+    lib["main"](*[tvm.runtime.tensor(a) for a in (xs, to_panels(packed["q"], p),
+                                                   packed["scale"], rs)], got)
+    want = xs.astype(np.float64) @ dequantize(sch, packed).astype(np.float64) + rs
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+

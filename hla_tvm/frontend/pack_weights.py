@@ -116,7 +116,8 @@ def pack_weights(mod, sch, target):
             def te_fn(arg, qt, *st):
                 s = st[0] if st else None   # (bf16 has no scales)
                 if name == "matmul":
-                    return kernels.matmul(arg, qt, s, **extra)
+                    return kernels.matmul(arg, qt, s, grouped=target.kind.name == "llvm",
+                                          **extra)
                 return kernels.take(qt, s, arg, **extra)
 
             return self.builder_.call_te(te_fn, data, q, *([] if scale is None else [scale]),

@@ -27,17 +27,84 @@ def dequantized(sch, q, scale, k, n, group, panel=None):
     if sch.name == "int8":
         value = at(q, k, n, panel).astype("float32")
     else:   # int4: row k in the low (even k) or high (odd k) nibble of byte row k // 2
-        byte = at(q, k // 2, n, panel).astype("int32")
-        # the nibble picked by the row's parity: constant shifts keep the lanes int32 (a shift
-        # by an index expression would be widened with the int64 indices)
-        nibble = tirx.Select(k % 2 == 0, byte & 15, byte >> 4)
-        value = nibble.astype("float32") - tirx.const(8.0, "float32")
+        value = _nibble(q, k, n, panel).astype("float32") - tirx.const(8.0, "float32")
     return value * scale[k // group, n]
 
 
-def matmul(x, q, scale, *, sch, k, n, group, panel=None):
-    """x [.., K] @ W [K, N] with W dequantized in the product (see the module docstring)."""
-    from tvm import te
+def _nibble(q, k, n, panel):
+    """The int4 value u in 0..15 of row k (int32): the low (even k) or high (odd k) nibble of
+    byte row k // 2."""
+    from tvm import tirx
+
+    from .panels import at
+
+    byte = at(q, k // 2, n, panel).astype("int32")
+    # the nibble picked by the row's parity: constant shifts keep the lanes int32 (a shift by
+    # an index expression would be widened with the int64 indices)
+    return tirx.Select(k % 2 == 0, byte & 15, byte >> 4)
+
+
+def stored_integer(sch, q, k, n, panel=None):
+    """The stored integer of W[k, n] as float32: the int8 value q (W = q s), or the int4 value
+    u in 0..15 (W = (u - 8) s)."""
+    from .panels import at
+
+    if sch.name == "int8":
+        return at(q, k, n, panel).astype("float32")
+    return _nibble(q, k, n, panel).astype("float32")
+
+
+# block names of `group_matvec`, by which `schedule.rules.cpu.group_matvec` knows it
+GROUP_SUM, GROUP_PARTIAL, GROUP_SCALED = "group_sum", "group_partial", "group_scaled"
+
+
+def group_matvec(x, q, scale, *, sch, k, n, group, panel=None):
+    """x [.., 1, K] @ W [K, N] for int8 and int4 weights (one row a batch entry: a decode step)
+    with each group's scale, and int4's offset, out of its sum:
+
+        partial[.., g, n] = sum_{k in group g} x[.., k] * v[k, n]       (GROUP_PARTIAL)
+        out[.., n]        = sum_g scale[g, n] * (partial[.., g, n] - o * xsum[.., g])
+                                                                         (GROUP_SCALED)
+
+    v the stored integers (`stored_integer`); int8: o = 0; int4: o = 8 and xsum[.., g] the sum
+    of x over group g (GROUP_SUM). One multiply by a scale a group and column, where `matmul`
+    has one a weight; equal to it up to float32 rounding (the sums are grouped)."""
+    from tvm import te, tirx
+
+    groups = k // group
+    lead = tuple(x.shape[:-1])
+    r = te.reduce_axis((0, group), name="k")
+    offset = None
+    if sch.name == "int4":
+        rs = te.reduce_axis((0, group), name="k")
+        xsum = te.compute((*lead, groups), lambda *i: te.sum(x[(*i[:-1], i[-1] * group + rs)],
+                                                             axis=rs), name=GROUP_SUM)
+        offset = tirx.const(8.0, "float32")
+    partial = te.compute(
+        (*lead, groups, n),
+        lambda *i: te.sum(x[(*i[:-2], i[-2] * group + r)] *
+                          stored_integer(sch, q, i[-2] * group + r, i[-1], panel), axis=r),
+        name=GROUP_PARTIAL)
+    g = te.reduce_axis((0, groups), name="g")
+
+    def scaled(*i):
+        value = partial[(*i[:-1], g, i[-1])]
+        if offset is not None:
+            value = value - offset * xsum[(*i[:-1], g)]
+        return te.sum(scale[g, i[-1]] * value, axis=g)
+
+    return te.compute((*lead, n), scaled, name=GROUP_SCALED)
+
+
+def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
+    """x [.., K] @ W [K, N] with W dequantized in the product (see the module docstring);
+    `grouped` (CPUs): `group_matvec` where x has one row a batch entry and W is int8 or int4."""
+    from tvm import te, tirx
+
+    rows = x.shape[-2] if len(x.shape) >= 2 else None
+    if grouped and sch is not None and sch.name in ("int8", "int4") and \
+            isinstance(rows, tirx.IntImm) and int(rows) == 1:
+        return group_matvec(x, q, scale, sch=sch, k=k, n=n, group=group, panel=panel)
 
     w = te.compute((k, n), lambda i, j: dequantized(sch, q, scale, i, j, group, panel),
                    name="dequantize")

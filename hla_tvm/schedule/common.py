@@ -14,6 +14,12 @@ def static_extent(sch, loop):
     return int(ext.value) if hasattr(ext, "value") else None
 
 
+def under(sch, block, loop):
+    """True when `block` lies inside `loop` (a loop RV of the schedule `sch`)."""
+    target = sch.get(loop)
+    return any(sch.get(lp).same_as(target) for lp in sch.get_loops(block))
+
+
 def is_elementwise(sch, block):
     """True when every iterator of `block` is data parallel."""
     return all(iv.iter_type == DATA_PAR for iv in sch.get(block).iter_vars)

@@ -17,7 +17,14 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from ...common import COMM_REDUCE, DATA_PAR, inline_elementwise, is_elementwise, static_extent
+from ...common import (
+    COMM_REDUCE,
+    DATA_PAR,
+    inline_elementwise,
+    is_elementwise,
+    static_extent,
+    under,
+)
 
 MODEL_MATMUL = "hla_tvm.matmul_tiles"   # attribute of a model projection tuned with this rule
 # one row (a decode step): wide column tiles stream W rows; the default is the widest dividing N
@@ -147,7 +154,7 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
                 if not b.same_as(block) and not b.same_as(acc)]
     inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
     for b in sch.get_child_blocks(sch.get_sblock("root")):
-        if not b.same_as(block) and not b.same_as(acc) and not _under(sch, b, io):
+        if not b.same_as(block) and not b.same_as(acc) and not under(sch, b, io):
             sch.reverse_compute_at(b, io)
     for b in sch.get_child_blocks(io):
         if b.same_as(block):
@@ -199,8 +206,3 @@ class MatmulTiles(dl.ScheduleRule):
                                    cols=self.cols) else None
         except (s_tir.ScheduleError, ValueError):
             return None  # a shape the primitives refuse: the rules after this one take it
-
-
-def _under(sch, block, loop):
-    target = sch.get(loop)
-    return any(sch.get(lp).same_as(target) for lp in sch.get_loops(block))
