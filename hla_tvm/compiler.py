@@ -83,22 +83,32 @@ def to_relax(model, *, max_batch=None, target=None):
 
     model = copy.deepcopy(model).eval().float()   # the caller's module stays as it was
     layout = [tuple(layer) for layer in model.init_state(1)]
-    # upper bounds become Relax's static memory plan: only a batch bound when asked for
-    batch = Dim("batch", min=1, max=max_batch) if max_batch else Dim("batch", min=1)
+    # upper bounds become Relax's static memory plan: only a batch bound when asked for; a
+    # bound of 1 is a static batch (torch.export's dims span at least two values)
+    if max_batch == 1:
+        batch, rows = None, 1
+    else:
+        batch, rows = Dim("batch", min=1, max=max_batch) if max_batch else Dim("batch", min=1), 2
     seq = Dim("seq", min=2)
-    st2 = flatten_state(model.init_state(2))
-    state_dims = tuple({0: batch} for _ in st2)
+    st = flatten_state(model.init_state(rows))
+    state_dims = tuple(_dims({0: batch}) for _ in st)
     mods = {}
     with torch.no_grad(), chunks_for(target):
         ep = torch.export.export(
-            Prefill(model, layout), (torch.zeros(2, 8, dtype=torch.int64), *st2),
-            dynamic_shapes=({0: batch, 1: seq}, state_dims))
+            Prefill(model, layout), (torch.zeros(rows, 8, dtype=torch.int64), *st),
+            dynamic_shapes=(_dims({0: batch, 1: seq}), state_dims))
         mods["prefill"] = import_exported(ep)
         ep = torch.export.export(
-            Decode(model, layout), (torch.zeros(2, dtype=torch.int64), *st2),
-            dynamic_shapes=({0: batch}, state_dims))
+            Decode(model, layout), (torch.zeros(rows, dtype=torch.int64), *st),
+            dynamic_shapes=(_dims({0: batch}), state_dims))
         mods["decode"] = import_exported(ep)
     return merge_entries(mods)
+
+
+def _dims(axes):
+    """torch.export's dynamic_shapes entry for {axis: Dim or None (static)}."""
+    dims = {axis: dim for axis, dim in axes.items() if dim is not None}
+    return dims or None
 
 
 def merge_entries(mods):
@@ -153,8 +163,8 @@ def lowering_pipeline(target):
     """The Relax pipeline after `legalize` and `schedule.tuning.model.schedule_model`: default
     schedules for the functions not scheduled yet, then TVM's lowering and finalization passes
     for the target's kind. CPU: `GroupMatvec` for a decode step's int8 / int4 products,
-    `MatmulTiles` for x @ W[K, N] with its epilogue, dlight's CPU
-    GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
+    `MatmulTiles` for x @ W[K, N] with its epilogue, `SerialSmall` for small static functions,
+    dlight's CPU GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
     Reduction, GeneralReduction, Fallback)."""
     import tvm
     from tvm.s_tir import dlight as dl
@@ -168,10 +178,11 @@ def lowering_pipeline(target):
             + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from .schedule.rules.cpu import GroupMatvec, MatmulTiles, ParallelFallback
+    from .schedule.rules.cpu import GroupMatvec, MatmulTiles, ParallelFallback, SerialSmall
 
     return tvm.transform.Sequential(
-        [dl.ApplyDefaultSchedule(GroupMatvec(), MatmulTiles(), dl.cpu.GEMV(), dl.cpu.Reduction(),
+        [dl.ApplyDefaultSchedule(GroupMatvec(), MatmulTiles(), SerialSmall(), dl.cpu.GEMV(),
+                                 dl.cpu.Reduction(),
                                  ParallelFallback())]
         + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
 

@@ -227,6 +227,29 @@ def test_hla_tvm_compile_twice_in_one_process_quietly(tmp_path, capfd, recwarn):
     assert rel_err(torch.from_numpy(logits), want) <= 1e-4
 
 
+def test_a_module_for_one_stream_has_a_static_batch(tmp_path):
+    """max_batch=1 compiles (a static batch: torch.export's dims span two values at least),
+    its prefill and decode equal the float64 model, and a batch of 2 is refused. Its norms run
+    serially (`SerialSmall`), not once per weight element in parallel as dlight's rule had
+    them (the logits are the same either way; speed: docs/cpu_schedules.md)."""
+    import copy
+
+    torch.manual_seed(4)
+    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16).eval()
+    m = load(compile_model(model, out=tmp_path / "one.so", max_batch=1))
+    assert m.max_batch == 1
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 23))
+    logits, state = m.prefill(tokens[:, :22], m.init_state(1))
+    ref = copy.deepcopy(model).double()
+    want, want_state = _torch_logits(ref, tokens[:, :22])
+    assert rel_err(torch.from_numpy(logits), want) <= 1e-4
+    step, _ = m.decode(tokens[:, 22], state)
+    want, _ = _torch_logits(ref, tokens[:, 22:], want_state)
+    assert rel_err(torch.from_numpy(step), want[:, 0]) <= 1e-4
+    with pytest.raises(ValueError, match="batch 2 exceeds this module's max_batch 1"):
+        m.decode(np.zeros(2, dtype=np.int64), m.init_state(1))
+
+
 @pytest.mark.parametrize("target, error", [
     ("llvm -mcpu=znver4", ValueError), ({"kind": "llvm", "mcpu": "notacpu"}, ValueError),
     ({"kind": "nope"}, ValueError), (3, TypeError)])

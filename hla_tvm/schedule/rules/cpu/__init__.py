@@ -5,6 +5,7 @@ returns a schedule, or None for a function it does not take):
                                      vectorize_inner; matmul_tiles for a tuned projection)
     group_matvec.GroupMatvec         a decode step's int8 / int4 product, scales out of its sums
     matmul_tiles.MatmulTiles         a model's x @ W[K, N] with its element-wise epilogue
+    serial_small.SerialSmall         a small function of static shapes, serial
     parallel_fallback.ParallelFallback  the other functions dlight's CPU rules do not take
 
 `scheduled` applies HLAKernels to one PrimFunc, remembered per process (the eager kernels and
@@ -14,6 +15,7 @@ from .group_matvec import GroupMatvec  # noqa: F401
 from .hla_kernels import HLAKernels, lanes, schedule  # noqa: F401
 from .matmul_tiles import MatmulTiles  # noqa: F401
 from .parallel_fallback import ParallelFallback  # noqa: F401
+from .serial_small import SerialSmall  # noqa: F401
 
 _SCHEDULED = ScheduledOnce()
 
