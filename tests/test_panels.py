@@ -12,6 +12,7 @@ FAST = {
     "test_each_value_sits_at_its_panel_row_and_column",
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[True]",
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[False]",
+    "test_gpu_targets_keep_float32_weights_as_they_are",
 }
 
 
@@ -29,8 +30,8 @@ def test_each_value_sits_at_its_panel_row_and_column():
 
 
 def _constants(mod):
-    """Shapes and dtypes of the distinct Relax constants (by value) `mod`'s Relax functions pass
-    to calls."""
+    """Shapes and dtypes of the distinct Relax constants (by value: TVM stores equal constants
+    once) `mod`'s Relax functions pass to calls."""
     import tvm
     from tvm import relax
 
@@ -67,7 +68,7 @@ def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
     target = resolve("llvm")
     consts = _constants(prepare(to_relax(model, target=target), target))
     p = panel_width(256, target)
-    assert p in (64, 128)   # the one-row tile's width: 128 on AVX-512, 64 below
+    assert p in (64, 128)   # the one-row tile's width for N = 256: 128 on AVX-512, 64 below
     panels = [s for s, d in consts if len(s) == 3 and d == "float32"]
     # every product's weight W [K, N] (nn.Linear's [N, K], and the head) as [N / P, K, P]
     weights = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -103,3 +104,19 @@ def test_untied_float32_module_equals_float64_pytorch(tmp_path):
     assert rel_err(got, want[:, :40]) <= 1e-4
     step = torch.from_numpy(np.asarray(mod.decode(tokens[:, 40].numpy(), state)[0]))
     assert rel_err(step, want[:, 40]) <= 1e-4
+
+
+def test_gpu_targets_keep_float32_weights_as_they_are():
+    """For a CUDA target (compiled here, no GPU needed) float32 products keep Relax's matmul
+    and the [K, N] weights the model gives them: nothing is stored in panels."""
+    from hla_tvm.compiler import prepare, to_relax
+    from hla_tvm.models import HLALM
+    from hla_tvm.target import resolve
+
+    model = HLALM(256, 64, 1, 4, chunk_size=16, mlp_hidden=192).eval()
+    target = resolve({"kind": "cuda", "arch": "sm_90"})
+    mod = prepare(to_relax(model, target=target), target)
+    consts = _constants(mod)
+    assert not [s for s, d in consts if len(s) == 3 and d == "float32"], consts
+    assert (256, 64) in [tuple(s) for s, _ in consts]   # the table, read by lookup and head
+    assert not [gv for gv in mod.get_global_vars() if "stored_" in gv.name_hint]

@@ -50,7 +50,9 @@ def add_arguments(p):
                         "tvm.exec.rpc_tracker) instead of this machine; candidates are built "
                         "here (cross-linked for an aarch64 --target)")
     quantize_arguments(p, "with a model: tune the projections of its module with weights "
-                          "packed so (as `compile --quantize`: the dequantizing products)")
+                          "packed so (as `compile --quantize`: the dequantizing products of "
+                          "its prefill; a decode step's int8 / int4 products keep their "
+                          "default schedule, GroupMatvec)")
     p.add_argument("--rpc-key", default=None, metavar="KEY",
                    help="the key the device's server registered with (python -m "
                         "tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")

@@ -144,6 +144,8 @@ def pack_weights(mod, sch, target):
                 return call if out is None else out
             return call
 
+    if sch is None and target.kind.name != "llvm":
+        return mod, report   # float32 weights stay as they are off CPUs
     # the products first, so that a float32 table's lookups know whether a product reads it
     for products in (True, False):
         phase["products"] = products

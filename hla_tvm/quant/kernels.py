@@ -102,7 +102,7 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
     from tvm import te, tirx
 
     rows = x.shape[-2] if len(x.shape) >= 2 else None
-    if grouped and sch is not None and sch.name in ("int8", "int4") and \
+    if grouped and panel is not None and sch is not None and sch.name in ("int8", "int4") and \
             isinstance(rows, tirx.IntImm) and int(rows) == 1:
         return group_matvec(x, q, scale, sch=sch, k=k, n=n, group=group, panel=panel)
 

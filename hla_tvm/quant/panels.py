@@ -4,11 +4,12 @@ column n (a float32 W [K, N], or a scheme's packed rows, `scheme`) stored as
     panels [N / P, R, P],   panels[n // P, r, n % P] = q[r, n]
 
 P is the column width of the one-row register tile (`schedule.rules.cpu.matmul_tiles`,
-`tile_shape`: 128 on AVX-512, 64 below). A decode step's thread then reads its P columns as one
+`tile_shape`: the widest of 128 / 64 / 32 / 16 / 8 that divides N within 8 vectors, so 128 on
+AVX-512 and 64 below where N allows). A decode step's thread then reads its P columns as one
 contiguous block of R * P values, where the [R, N] layout gives it R segments of P values
-N apart: measured on Zen 4 (2 cores, 2026-12-05, `x [1, 3072] @ W [3072, 8192]`), 17-19 GB/s
-against 11-13 GB/s, and a 512-row prefill tile 1.6x faster. Scales stay [K / g, N] (one read
-per group). Where no tile width divides N, or on GPUs, weights stay [R, N] (P None);
+N apart (speed: docs/cpu_schedules.md). Scales stay [K / g, N] (one read
+per group). Where no tile width divides N, on GPUs, and for weights a scheme keeps float32
+(K not splitting into its groups), weights stay [R, N] (P None);
 `frontend.pack_weights.panel_width` picks P."""
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ layout a projection x [.., K] @ W reads, and the embedding table's transpose), i
            s [K / g, N] = max |W| / 7 over each group of g input elements (symmetric);
            W = (u - 8) * s[k // g, n]
 
-`quantize` packs, `dequantize` unpacks (float64 arithmetic on the stored values, rounded to
-float32 once, as the kernels compute q * s in float32)."""
+A compiled module stores q in panels on CPUs (`panels`). `quantize` packs, `dequantize` unpacks
+(float64 arithmetic on the stored values, rounded to float32 once, as the kernels compute q * s
+in float32)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,8 +9,7 @@ accumulation (n_inner): a column tile of the one-row tile's width (`matmul_tiles
 the weights' panel width) keeps its partial sums and its accumulators in vector registers, so
 each weight is read and converted once and multiplied by no scale (one multiply-add a group and
 column does that). An int4 weight's sum runs by row pairs, unrolled, so one byte load feeds both
-nibbles. Measured on the Zen 4 VM, 2026-12-05, one int4 product of K 768 x N 8192 in panels:
-462 us with the scale in every weight (`MatmulTiles`), 239 us so."""
+nibbles. Speed: docs/cpu_schedules.md."""
 from __future__ import annotations
 
 from tvm import s_tir
@@ -28,6 +27,13 @@ def schedule(sch, lanes):
     names = [sch.get(b).name_hint for b in blocks]
     if GROUP_SCALED not in names or GROUP_PARTIAL not in names:
         return False
+    # element-wise producers fused before the product: inlined into their readers
+    producers = [b for b, name in zip(blocks, names[:names.index(GROUP_SCALED)])
+                 if name not in (GROUP_SUM, GROUP_PARTIAL)]
+    if producers and inline_elementwise(sch, producers):
+        return False
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    names = [sch.get(b).name_hint for b in blocks]
     last = names.index(GROUP_SCALED)
     # before it the partial sums and int4's sums of x per group (left serial: small)
     if set(names[:last]) - {GROUP_SUM, GROUP_PARTIAL} or \
@@ -43,9 +49,10 @@ def schedule(sch, lanes):
     sch.parallel(no)
     acc = sch.cache_write(out, 0, "global")   # a stack array LLVM keeps in registers
     sch.reverse_compute_at(acc, lead[-1])
+    after = {sch.get(b).name_hint for b in epilogue}   # (handles differ between calls)
     inline_elementwise(sch, epilogue, reverse=True)
     for b in sch.get_child_blocks(sch.get_sblock("root")):
-        if any(b.same_as(x) for x in epilogue) and not under(sch, b, lead[-1]):
+        if sch.get(b).name_hint in after and not under(sch, b, lead[-1]):
             sch.reverse_compute_at(b, lead[-1])
     sch.compute_at(part, g)
     *_, pn, pk = sch.get_loops(part)
@@ -55,7 +62,7 @@ def schedule(sch, lanes):
         sch.unroll(pair)
     sch.decompose_reduction(part, pk)
     sch.decompose_reduction(out, g)
-    for b in sch.get_child_blocks(lead[-1]):   # inits and write-backs (LLVM vectorizes the rest)
+    for b in sch.get_child_blocks(lead[-1]):   # the column loops the primitive takes
         inner = sch.get_loops(b)[-1]
         if static_extent(sch, inner) == cols:
             try:
