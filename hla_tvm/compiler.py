@@ -164,8 +164,8 @@ def lowering_pipeline(target):
     schedules for the functions not scheduled yet, then TVM's lowering and finalization passes
     for the target's kind. CPU: `GroupMatvec` for a decode step's int8 / int4 products,
     `MatmulTiles` for x @ W[K, N] with its epilogue, `SerialSmall` for small static functions,
-    dlight's CPU GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules (Matmul, GEMV,
-    Reduction, GeneralReduction, Fallback)."""
+    dlight's CPU GEMV and reduction rules, then `ParallelFallback`; CUDA: dlight's GPU rules
+    (Matmul, GEMV, Reduction, GeneralReduction, Fallback)."""
     import tvm
     from tvm.s_tir import dlight as dl
 
