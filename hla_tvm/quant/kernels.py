@@ -24,10 +24,9 @@ def dequantized(sch, q, scale, k, n, group, panel=None):
     if sch.name == "bf16":
         return tirx.reinterpret("float32", at(q, k, n, panel).astype("uint32")
                                 << tirx.const(16, "uint32"))
-    if sch.name == "int8":
-        value = at(q, k, n, panel).astype("float32")
-    else:   # int4: row k in the low (even k) or high (odd k) nibble of byte row k // 2
-        value = _nibble(q, k, n, panel).astype("float32") - tirx.const(8.0, "float32")
+    value = stored_integer(sch, q, k, n, panel)
+    if sch.name == "int4":
+        value = value - tirx.const(8.0, "float32")
     return value * scale[k // group, n]
 
 
