@@ -8,16 +8,29 @@ import torch
 from hla_tvm.cli import main
 
 
-def test_bits_per_token_equal_one_forward_pass(compiled_lm, tmp_path, capsys):
+def _saved_with_ids(compiled_lm, tmp_path, count, seed):
+    """(model, its compiled module, its checkpoint in tmp_path, `count` random token ids also
+    written to tmp_path/ids.txt)."""
     model, lib = compiled_lm("hla2")
     ckpt = tmp_path / "model.pt"
     model.save(ckpt)
-    ids = torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 40, (count,), generator=torch.Generator().manual_seed(seed))
     (tmp_path / "ids.txt").write_text(" ".join(map(str, ids.tolist())))
+    return model, lib, ckpt, ids
+
+
+def _bits(model, ids):
+    """Bits per token of `model`'s predictions over `ids`: the float64 cross entropy of one
+    forward pass over the whole sequence (on a float64 copy; `model` stays as it was)."""
+    import copy
+
     with torch.no_grad():
-        logits, _ = model.double()(ids[None], None)
-    model.float()
-    want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[1:]).item() / math.log(2)
+        logits, _ = copy.deepcopy(model).double()(ids[None], None)
+    return torch.nn.functional.cross_entropy(logits[0, :-1], ids[1:]).item() / math.log(2)
+
+def test_bits_per_token_equal_one_forward_pass(compiled_lm, tmp_path, capsys):
+    model, lib, ckpt, ids = _saved_with_ids(compiled_lm, tmp_path, 300, seed=5)
+    want = _bits(model, ids)
     assert main(["eval", str(ckpt), str(lib), "--file", str(tmp_path / "ids.txt"),
                  "--piece", "7", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
@@ -49,17 +62,9 @@ def test_eval_runs_a_checkpoint_with_a_schemes_weights_in_pytorch(compiled_lm, t
     from hla_tvm.quant import scheme
     from hla_tvm.quant.torch_weights import dequantized_model
 
-    model, lib = compiled_lm("hla2")
-    ckpt = tmp_path / "model.pt"
-    model.save(ckpt)
-    ids = torch.randint(0, 40, (200,), generator=torch.Generator().manual_seed(6))
-    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids.tolist())))
-    with torch.no_grad():
-        q_logits, _ = dequantized_model(model, scheme("int4")).double()(ids[None], None)
-        f_logits, _ = model.double()(ids[None], None)
-    model.float()
-    want = torch.nn.functional.cross_entropy(q_logits[0, :-1], ids[1:]).item() / math.log(2)
-    plain = torch.nn.functional.cross_entropy(f_logits[0, :-1], ids[1:]).item() / math.log(2)
+    model, lib, ckpt, ids = _saved_with_ids(compiled_lm, tmp_path, 200, seed=6)
+    want = _bits(dequantized_model(model, scheme("int4")), ids)
+    plain = _bits(model, ids)
     assert abs(want - plain) > 1e-4   # the scheme does change the model
     assert main(["eval", str(ckpt), "--quantize", "int4", "--file", str(tmp_path / "ids.txt"),
                  "--piece", "64", "--json", str(tmp_path / "r.json")]) == 0
