@@ -141,6 +141,10 @@ def test_group_matvec_with_its_epilogue(name, group, batch):
     tgt = resolve_model_target("llvm")
     rule = GroupMatvec().apply(func.with_attr("global_symbol", "main"), tgt, False)
     assert rule is not None, "the rule declined the function"
+    # an int4 group's sum runs by row pairs, unrolled: one byte load feeds both nibbles
+    pairs = [lp for lp in rule.get_loops(rule.get_sblock("group_partial_update"))
+             if rule.get(lp).kind == tvm.tirx.ForKind.UNROLLED]
+    assert [int(rule.get(lp).extent) for lp in pairs] == ([2] if name == "int4" else [])
     with tgt:
         lib = tvm.compile(rule.mod, target=tgt)
     xs = RNG.standard_normal((batch, 1, k)).astype(np.float32)

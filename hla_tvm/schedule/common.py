@@ -202,6 +202,30 @@ def walk(node, visit):
         walk(child, visit)
 
 
+def reads_pairs(block):
+    """Whether `block` reads a buffer at an index holding (an expression of k) // 2, k its last
+    iterator (the reduction): a weight packed two rows a byte (`hla_tvm.quant`, int4), read at
+    row k // 2 by a plain product and at g * G / 2 + k // 2 by a group's sum. Such a
+    reduction split by twos and unrolled loads each byte once and decides each nibble's select
+    when compiling."""
+    k = block.iter_vars[-1].var
+    found = []
+
+    def uses_k(node):
+        if node.same_as(k):
+            found.append(True)
+
+    def halves(node):
+        if isinstance(node, tirx.FloorDiv) and isinstance(node.b, tirx.IntImm) and \
+                int(node.b) == 2:
+            walk(node.a, uses_k)
+
+    for read in block.reads:
+        for r in read.region:
+            walk(r.min, halves)
+    return bool(found)
+
+
 def named_as(func, schedule):
     """schedule(`func` named "main"), named as `func` is (its global_symbol, or none). The
     copy is held here: a function its module alone referenced would be scheduled in place,

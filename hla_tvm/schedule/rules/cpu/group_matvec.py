@@ -16,7 +16,7 @@ from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
 from ....quant.kernels import GROUP_PARTIAL, GROUP_SCALED, GROUP_SUM
-from ...common import inline_elementwise, is_elementwise, static_extent, under
+from ...common import inline_elementwise, is_elementwise, reads_pairs, static_extent, under
 from .matmul_tiles import tile_shape, vector_lanes
 
 
@@ -57,7 +57,7 @@ def schedule(sch, lanes):
     sch.compute_at(part, g)
     *_, pn, pk = sch.get_loops(part)
     sch.reorder(pk, pn)
-    if _halves(sch.get(part)):
+    if reads_pairs(sch.get(part)):
         pk, pair = sch.split(pk, factors=[None, 2])
         sch.unroll(pair)
     sch.decompose_reduction(part, pk)
@@ -70,14 +70,6 @@ def schedule(sch, lanes):
             except s_tir.ScheduleError:
                 pass
     return True
-
-
-def _halves(block):
-    """Whether `block` reads a buffer at a row index // 2 (int4: two rows a byte)."""
-    from tvm import tirx
-
-    return any(isinstance(r.min, tirx.FloorDiv) and isinstance(r.min.b, tirx.IntImm) and
-               int(r.min.b) == 2 for read in block.reads for r in read.region)
 
 
 class GroupMatvec(dl.ScheduleRule):

@@ -22,6 +22,7 @@ from ...common import (
     DATA_PAR,
     inline_elementwise,
     is_elementwise,
+    reads_pairs,
     static_extent,
     under,
 )
@@ -165,24 +166,13 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     if ii is not None:
         sch.unroll(ii)
     sch.vectorize(ji)
-    if _reads_pairs(sch.get(block)):
+    if reads_pairs(sch.get(block)):
         # two rows of the weight a byte (int4): the reduction by twos, unrolled, so each byte
         # is loaded once and each nibble's select is decided when compiling
         k, kp = sch.split(k, factors=[None, 2])
         sch.unroll(kp)
     sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
     return True
-
-
-def _reads_pairs(block):
-    """Whether `block` reads a buffer at row k // 2 (k its reduction variable): a weight
-    packed two rows a byte (`hla_tvm.quant`, int4)."""
-    from tvm import tirx
-
-    k = block.iter_vars[-1].var
-    return any(isinstance(r.min, tirx.FloorDiv) and r.min.a.same_as(k) and
-               isinstance(r.min.b, tirx.IntImm) and int(r.min.b) == 2
-               for read in block.reads for r in read.region)
 
 
 def _sample(sch, choices, default):
