@@ -1,6 +1,7 @@
 """Weights stored in panels on CPUs (`quant.panels`, `frontend.pack_weights`): each value at its
 panel, row and column; a compiled model's products reading float32 panels, a tied table stored
-once, an untied table kept as rows; the module against float64 PyTorch."""
+once, an untied table kept as rows; the module against float64 PyTorch; an int8 / int4 model's
+decode products grouped (`group_matvec`), its prefill products plain."""
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,8 @@ FAST = {
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[True]",
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[False]",
     "test_gpu_targets_keep_float32_weights_as_they_are",
+    "test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products_plain[int8]",
+    "test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products_plain[int4]",
 }
 
 
@@ -120,3 +123,39 @@ def test_gpu_targets_keep_float32_weights_as_they_are():
     assert not [s for s, d in consts if len(s) == 3 and d == "float32"], consts
     assert (256, 64) in [tuple(s) for s, _ in consts]   # the table, read by lookup and head
     assert not [gv for gv in mod.get_global_vars() if "stored_" in gv.name_hint]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products_plain(name):
+    """With int8 / int4 weights in panels, every product a decode step calls is a
+    `group_matvec` (the scales out of each group's sum) and every product of prefill a
+    dequantizing `matmul`."""
+    from tvm import relax
+
+    from hla_tvm.compiler import prepare, to_relax
+    from hla_tvm.models import HLALM
+    from hla_tvm.quant.kernels import GROUP_PARTIAL
+    from hla_tvm.quant.scheme import scheme
+    from hla_tvm.target import resolve
+
+    model = HLALM(256, 64, 2, 4, chunk_size=16, mlp_hidden=192).eval()
+    target = resolve("llvm")
+    mod, _ = prepare(to_relax(model, target=target), target, scheme(name, 32))
+
+    def products(entry):
+        """(grouped, plain) counts of the product kernels `entry` calls: kernels holding a
+        GROUP_PARTIAL block, and kernels holding a "matmul" block."""
+        found = []
+
+        def visit(expr):
+            if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == \
+                    "relax.call_tir":
+                script = mod[expr.args[0]].script()
+                found.append((f'sblock("{GROUP_PARTIAL}"' in script, 'sblock("matmul"' in script))
+
+        relax.analysis.post_order_visit(mod[entry], visit)
+        return sum(g for g, _ in found), sum(m for _, m in found)
+
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert products("decode") == (linears + 1, 0)   # the layers' products and the head
+    assert products("prefill") == (0, linears + 1)
