@@ -24,7 +24,7 @@ PROMPT = "def read(path):\n    "
 @pytest.fixture(scope="module")
 def shipped():
     model = HLALM.load(demo.SHIPPED)
-    path, _ = demo.compiled_module(model, host_target())
+    path, _ = demo.compiled_module(model, host_target(), max_batch=demo.STREAMS)   # the demo's
     return model, path
 
 

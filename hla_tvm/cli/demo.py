@@ -55,13 +55,18 @@ def progress_line(message, stream=None):
         stream.flush()
 
 
+# the demo decodes one stream: its module has a static batch of 1, which runs fewer VM
+# instructions a step than a symbolic batch (docs/performance.md)
+STREAMS = 1
+
+
 def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantize=None,
-                    group_size=None):
+                    group_size=None, max_batch=None):
     """(path, compiled now) of `model` compiled for `target` (with its weights quantized by
-    `quantize`: None, "bf16", "int8" or "int4", and `group_size`, as `hla_tvm.compile` takes
-    them), from the cache when an earlier run built it
-    (keyed by the weights, the scheme, the target, the records, the package's source and the
-    TVM version); a damaged cached file is compiled again."""
+    `quantize`: None, "bf16", "int8" or "int4", and `group_size`, and for at most `max_batch`
+    streams, as `hla_tvm.compile` takes them), from the cache when an earlier run built it
+    (keyed by the weights, the scheme, the bound, the target, the records, the package's
+    source and the TVM version); a damaged cached file is compiled again."""
     import tvm
 
     from ..build import sources_digest
@@ -74,7 +79,7 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantiz
     key = hashlib.sha256("\n".join([
         weights_digest(model.config, model.state_dict()), str(target), MODULE_FORMAT,
         tvm.__version__, sources_digest(), records.digest(rec) if rec else "default",
-        f"{quantize}/{group_size}"]).encode()).hexdigest()[:20]
+        f"{quantize}/{group_size}", f"max_batch={max_batch}"]).encode()).hexdigest()[:20]
     path = os.path.join(cache.folder("models"), f"demo-{key}.so")
     if os.path.isfile(path):
         try:
@@ -87,7 +92,7 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantiz
                        f"{target.attrs.get('mcpu') or target.kind.name} (first run only; "
                        "cached in " + os.path.dirname(path) + ") ..."):
         compile_model(model, target=target, out=path, schedules=schedules, quantize=quantize,
-                      group_size=group_size)
+                      group_size=group_size, max_batch=max_batch)
     return path, True
 
 
@@ -127,7 +132,8 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     print(f"hla-tvm demo: {os.path.basename(checkpoint)}, a byte-level second-order HLA model "
           f"({n_params / 1e6:.2f} M parameters, {model.config['n_layers']} layers) trained on "
           "Python's standard library", flush=True)
-    path, _ = compiled_module(model, tgt, checkpoint, quantize=quantize, group_size=group_size)
+    path, _ = compiled_module(model, tgt, checkpoint, quantize=quantize, group_size=group_size,
+                              max_batch=STREAMS)
     m = load(path)
     if sch is not None:
         from ..quant.torch_weights import dequantized_model
