@@ -2,6 +2,8 @@
 functions, against float64 numpy: x @ W[K, N] with an element-wise epilogue (static and
 symbolic row counts, remainders, column tiles of 64..8), batched operands, and element-wise
 chains."""
+import re
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,23 @@ def test_matmul_tiles_symbolic_rows(rows, n):
     func, _ = _matmul_silu(t, 48, n, lead=(2,))
     (x, w, g, _), got = _run(func, MatmulTiles(),
                              [(2, rows, 48), (48, n), (2, rows, n), (2, rows, n)])
+    np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch,entries", [("b", 1), ("b", 2), ("b", 5), (4, 4), (3, 3)])
+def test_matmul_tiles_one_row_per_batch_entry(batch, entries):
+    """A decode step of several streams (x [B, 1, K]): the entries are the tile's rows
+    (`BATCH_ROWS`, a predicated tail for an odd count), symbolic or static B."""
+    from hla_tvm.schedule.rules.cpu.matmul_tiles import BATCH_ROWS
+
+    b = te.var("b", "int64") if batch == "b" else batch
+    func, _ = _matmul_silu(1, 96, 256, lead=(b,))
+    tgt = resolve_model_target("llvm")
+    sch = MatmulTiles().apply(func.with_attr("global_symbol", "main"), tgt, False)
+    if batch == "b" or batch % BATCH_ROWS == 0:   # the fused entries split by the tile's rows
+        assert f"T.unroll(T.int64({BATCH_ROWS}))" in sch.mod.script()
+    (x, w, g, _), got = _run(func, MatmulTiles(), [(entries, 1, 96), (96, 256), (entries, 1, 256),
+                                                   (entries, 1, 256)])
     np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
 
 
@@ -141,10 +160,12 @@ def test_group_matvec_with_its_epilogue(name, group, batch):
     tgt = resolve_model_target("llvm")
     rule = GroupMatvec().apply(func.with_attr("global_symbol", "main"), tgt, False)
     assert rule is not None, "the rule declined the function"
-    # an int4 group's sum runs by row pairs, unrolled: one byte load feeds both nibbles
-    pairs = [lp for lp in rule.get_loops(rule.get_sblock("group_partial_update"))
-             if rule.get(lp).kind == tvm.tirx.ForKind.UNROLLED]
-    assert [int(rule.get(lp).extent) for lp in pairs] == ([2] if name == "int4" else [])
+    # an int4 group's sum runs by row pairs, unrolled (one byte load feeds both nibbles); int8
+    # sums run two batch entries at a time (the tile's rows, unrolled), int4 sums one
+    script = rule.mod.script()
+    assert bool(re.search(r"v_k = T.axis.reduce\(\d+, \w+ \* 2 \+ \w+\)", script)) == \
+        (name == "int4")
+    assert ("for ax0 in T.unroll(T.int64(2))" in script) == (name == "int8")
     with tgt:
         lib = tvm.compile(rule.mod, target=tgt)
     xs = RNG.standard_normal((batch, 1, k)).astype(np.float32)
