@@ -148,14 +148,19 @@ def prepare(mod, target, quantize=None):
 
 def legalize(mod, target):
     """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's generic
-    library-dispatch and legalization passes), the form whose functions are scheduled. (TVM's
+    library-dispatch and legalization passes; a float32 sigmoid through `fast_exp`,
+    `frontend.fast_sigmoid`), the form whose functions are scheduled. (TVM's
     CUDA legalization is the same plus dlight's schedules, which `lowering_pipeline` applies
     after the HLA kernels are scheduled.)"""
     import tvm
+    from tvm import relax
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    with target:
+    from .frontend.fast_sigmoid import LEGALIZE
+
+    with target:   # (TVM's own LegalizeOps after it finds nothing left)
         return tvm.transform.Sequential(cpu.library_dispatch_passes(target)
+                                        + [relax.transform.LegalizeOps(LEGALIZE)]
                                         + cpu.legalize_passes(target))(mod)
 
 
