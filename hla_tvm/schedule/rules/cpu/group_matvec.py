@@ -14,12 +14,14 @@ runs by row pairs, unrolled, so one byte load feeds both nibbles. Speed:
 docs/cpu_schedules.md."""
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
 from ....quant.kernels import GROUP_PARTIAL, GROUP_SCALED, GROUP_SUM
 from ...common import inline_elementwise, is_elementwise, reads_pairs, static_extent, under
-from .matmul_tiles import BATCH_ROWS, _product, tile_shape, vector_lanes
+from .matmul_tiles import BATCH_ROWS, tile_shape, vector_lanes
 
 
 def schedule(sch, lanes):
@@ -53,7 +55,7 @@ def schedule(sch, lanes):
     # batch entries: BATCH_ROWS at a time, sharing each weight's conversion; int4 keeps one at
     # a time (its tile's predicated second row cost a one-entry step 7%: K 3072 x N 8192,
     # 0.99 -> 1.06 ms, for 7.7 -> 5.6 ms with eight)
-    if not pairs and (None in extents or _product(extents) > 1):
+    if not pairs and (None in extents or math.prod(extents) > 1):
         bo, rows = sch.split(sch.fuse(*lead), factors=[None, BATCH_ROWS])
         lead = [bo]
         sch.reorder(no, bo, g, rows, ni)

@@ -16,6 +16,8 @@ epilogue (inlined into the write-back), so the product never makes a round trip 
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
@@ -134,10 +136,10 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     lead_ext = [static_extent(sch, lp) for lp in loops[:-3]]
     # one row per batch entry, the entries more than one or symbolic: they become the rows
     batch = rows_ext == 1 and shared and lead_ext and \
-        (None in lead_ext or _product(lead_ext) > 1)
+        (None in lead_ext or math.prod(lead_ext) > 1)
     if batch:
         d_rows = BATCH_ROWS
-        rows_ext = None if None in lead_ext else _product(lead_ext)
+        rows_ext = None if None in lead_ext else math.prod(lead_ext)
     rows, cols = rows or d_rows, cols or d_cols
     if cols is None or n is None or n % cols:
         return False
@@ -190,13 +192,6 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
         sch.unroll(kp)
     sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
     return True
-
-
-def _product(values):
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def _sample(sch, choices, default):
