@@ -87,6 +87,41 @@ def test_matmul_tiles_one_row_per_batch_entry(batch, entries):
     np.testing.assert_allclose(got, _silu_ref(x, w, g), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name,group", [("bf16", None), ("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, rows):
+    """A prefill's product with packed weights in panels (symbolic rows): the weight's column
+    tile is dequantized once under the parallel loop, then read by every row tile."""
+    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.quant.kernels import DEQUANTIZE, matmul
+    from hla_tvm.quant.panels import to_panels
+    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+
+    k, n = 64, 256
+    sch = scheme(name, group)
+    tgt = resolve_model_target("llvm")
+    p = panel_width(n, tgt)
+    t = te.var("T", "int64")
+    x = te.placeholder(_i64(1, t, k), name="x")
+    packed = quantize(sch, RNG.standard_normal((k, n)).astype(np.float32) * 0.1)
+    qs = to_panels(packed["q"], p)
+    q = te.placeholder(_i64(*qs.shape), str(qs.dtype), name="q")
+    scale = packed.get("scale", np.ones((1, n), np.float32))
+    s = te.placeholder(_i64(*scale.shape), name="s")
+    mm = matmul(x, q, s, sch=sch, k=k, n=n, group=sch.group(k) if group else k, panel=p)
+    func = te.create_prim_func([x, q, s, mm])
+    rule = MatmulTiles().apply(func.with_attr("global_symbol", "main"), tgt, False)
+    script = rule.mod.script()
+    assert f'T.sblock("{DEQUANTIZE}")' in script   # a stage of its own, not inlined
+    with tgt:
+        lib = tvm.compile(rule.mod, target=tgt)
+    xs = RNG.standard_normal((1, rows, k)).astype(np.float32)
+    got = tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))
+    lib["main"](*[tvm.runtime.tensor(a) for a in (xs, qs, np.ascontiguousarray(scale))], got)
+    want = xs.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_is_outer_matmul_rejects_inner_reduction():
     """x @ W^T with W [N, K] (reduction innermost in both operands) is dlight GEMV's, not ours."""
     x = te.placeholder((4, 32), name="x")

@@ -53,6 +53,7 @@ def stored_integer(sch, q, k, n, panel=None):
     return _nibble(q, k, n, panel).astype("float32")
 
 
+DEQUANTIZE = "dequantize"   # the weight's stage in `matmul` (schedule.rules.cpu.matmul_tiles)
 # block names of `group_matvec`, by which `schedule.rules.cpu.group_matvec` knows it
 GROUP_SUM, GROUP_PARTIAL, GROUP_SCALED = "group_sum", "group_partial", "group_scaled"
 
@@ -106,7 +107,7 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
         return group_matvec(x, q, scale, sch=sch, k=k, n=n, group=group, panel=panel)
 
     w = te.compute((k, n), lambda i, j: dequantized(sch, q, scale, i, j, group, panel),
-                   name="dequantize")
+                   name=DEQUANTIZE)
     r = te.reduce_axis((0, k), name="k")
     return te.compute((*x.shape[:-1], n),
                       lambda *i: te.sum(x[(*i[:-1], r)] * w[r, i[-1]], axis=r), name="matmul")

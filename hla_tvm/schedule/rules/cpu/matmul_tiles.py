@@ -12,7 +12,10 @@ entry (a decode step of several streams, x [B, 1, K]): the entries are the rows 
 symbolic row count (the prompt length, the batch) is split into whole tiles and one predicated
 tail (loop partition).
 One B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through the
-epilogue (inlined into the write-back), so the product never makes a round trip to memory.
+epilogue (inlined into the write-back), so the product never makes a round trip to memory. A
+packed weight (`hla_tvm.quant`) is dequantized in the inner loop for one row (a decode step),
+and for more rows once per column tile, K x COLS floats under the parallel loop, which every
+row tile then reads as a float32 weight.
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
@@ -148,7 +151,10 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     if not symbolic:   # the largest tile height that divides the rows
         rows = max(r for r in range(1, min(rows, rows_ext) + 1) if rows_ext % r == 0)
     producers = blocks[:[b.same_as(block) for b in blocks].index(True)]
-    if inline_elementwise(sch, producers):
+    # rows sharing a packed weight (prefill): its column tile dequantized once for all of them
+    packed = [b for b in producers if _unpacks(sch.get(b))] if shared and not batch and \
+        (symbolic or rows > 1) else []
+    if inline_elementwise(sch, [b for b in producers if not any(b.same_as(p) for p in packed)]):
         raise ValueError("a producer that cannot inline")   # (the caller's schedule is spoilt)
     if tunable:   # (batch rows: the columns of the one-row tile's choices, BATCH_ROWS rows)
         rows_c, cols_c = tile_choices(1 if batch else None if symbolic else rows_ext, n, lanes)
@@ -164,17 +170,23 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
         io, ii = i, None
     outer = [jo, *lead] if shared else [*lead, jo]
     sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
-    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    par = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    sch.parallel(par)
+    for b in packed:
+        sch.compute_at(b, par)
+        sch.vectorize(sch.get_loops(b)[-1])
     if ii is not None and symbolic:
         # a symbolic row count: whole tiles, then one predicated tail
         sch.annotate(io, "pragma_loop_partition_hint", 1)
     acc = sch.cache_write(block, 0, "global")  # small: a stack array LLVM keeps in registers
     sch.reverse_compute_at(acc, io)
+    # (by name: the handles of one block from two calls differ)
+    kept = {sch.get(b).name_hint for b in (block, acc, *packed)}
     epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
-                if not b.same_as(block) and not b.same_as(acc)]
+                if sch.get(b).name_hint not in kept]
     inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
     for b in sch.get_child_blocks(sch.get_sblock("root")):
-        if not b.same_as(block) and not b.same_as(acc) and not under(sch, b, io):
+        if sch.get(b).name_hint not in kept and not under(sch, b, io):
             sch.reverse_compute_at(b, io)
     for b in sch.get_child_blocks(io):
         if b.same_as(block):
@@ -192,6 +204,14 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
         sch.unroll(kp)
     sch.decompose_reduction(block, k)  # the init inherits the vectorized column loop
     return True
+
+
+def _unpacks(block):
+    """Whether `block` is a weight's dequantization (`quant.kernels.DEQUANTIZE`)."""
+    from ....quant.kernels import DEQUANTIZE
+
+    return block.name_hint == DEQUANTIZE and \
+        any(str(r.source.dtype) != "float32" for r in block.reads)
 
 
 def _sample(sch, choices, default):
