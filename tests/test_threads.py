@@ -167,6 +167,28 @@ def test_the_worker_count_follows_the_measured_times():
     assert Adaptive(1, set_to.append).candidates == [1]
 
 
+def test_long_calls_are_timed_once_a_count_and_probed_again_only_when_slow():
+    """A call of Adaptive.LONG_S or more (a long prefill) runs one call on each count, not
+    PROBE_CALLS single-thread calls first, and no timed probe runs it on one thread again; a
+    run of slow calls still probes."""
+    from hla_tvm.runtime.pool import Adaptive
+
+    chooser = Adaptive(2, [].append)
+    cost = {1: 20 * Adaptive.LONG_S, 2: 10 * Adaptive.LONG_S}
+
+    def call():
+        n = chooser.before()
+        chooser.after(cost[n])
+        return n
+
+    assert [call() for _ in range(4)] == [1, 2, 2, 2] and chooser.chosen == 2
+    chooser.since -= 10 * Adaptive.MAX_REPROBE_S   # long past a timed probe
+    assert [call() for _ in range(3)] == [2, 2, 2]
+    cost[2] = 30 * Adaptive.LONG_S   # the load changed: after SLOW_RUN slow calls, a probe
+    seen = [call() for _ in range(Adaptive.SLOW_RUN + 2)]
+    assert seen == [2] * Adaptive.SLOW_RUN + [1, 2] and chooser.chosen == 1
+
+
 def test_other_load_counts_the_cores_other_processes_keep_busy():
     """What demo and bench report as a busy machine: another process spinning for the whole
     block counts as most of a core (this process's own time does not count)."""

@@ -155,7 +155,10 @@ class Adaptive:
     in turn (a count whose fastest call is SLOW times another's median is dropped at once),
     and the count with the least median time is kept (a median: beside a busy process a pool's
     calls are fast or very slow as the scheduler happens to place them, and one lucky call
-    must not decide). The candidates are probed again after `reprobe_s` seconds (doubled, up to
+    must not decide). A call of LONG_S or more is timed once a count, and probed again only
+    when it turns slow: the scheduler's slices average out over it, and five single-thread
+    calls of a long prefill (1.35 s each for the 120 M model's 512 tokens, 0.68 s on 2 cores)
+    would cost seconds. The candidates are probed again after `reprobe_s` seconds (doubled, up to
     MAX_REPROBE_S, while probes keep choosing the same count), or as soon as SLOW_RUN calls in a
     row take SLOW times the chosen count's median (the load changed). Results do not depend on
     the count (each parallel loop splits independent rows), only the time does.
@@ -166,6 +169,7 @@ class Adaptive:
     """
 
     PROBE_CALLS = 5
+    LONG_S = 50e-3
     PARALLEL_FROM_S = 2e-3   # (the demo's prefill: 3.6 ms alone, 2.4 ms on 2 cores; decode
     # 0.14 ms alone, slower pooled)
     REPROBE_S, MAX_REPROBE_S = 1.0, 30.0
@@ -184,7 +188,10 @@ class Adaptive:
         self.slow = 0                # calls in a row slower than SLOW * typical
 
     def before(self):
+        # (long calls are probed again only when they turn slow: a timed probe would run one
+        # of them on a single thread each time)
         if not self.order and (self.chosen is None or len(self.candidates) > 1 and
+                               self.typical < self.LONG_S and
                                time.perf_counter() - self.since > self.reprobe_s):
             self._probe()
         n = self.order[0] if self.order else self.chosen
@@ -197,6 +204,8 @@ class Adaptive:
         if self.order:
             n = self.order.pop(0)
             self.times.setdefault(n, []).append(seconds)
+            if seconds >= self.LONG_S:   # one call a count tells long calls apart
+                self.order = list(dict.fromkeys(m for m in self.order if m not in self.times))
             # a count whose fastest call is SLOW times the (upper) median of a count with two
             # calls or more is far behind: not worth more calls
             settled = [sorted(t)[len(t) // 2] for t in self.times.values() if len(t) > 1]
