@@ -4,7 +4,9 @@ panels compiled models store (`hla_tvm/quant/panels.py`), timed in turn in one p
     python benchmarks/weight_panels.py [K N ROWS ...]   (default: 3072 8192 1 3072 8192 8
                                                          768 3072 512)
 
-Prints each layout's median time and its weight-read rate, and checks both against float64."""
+Prints each layout's median time and its weight-read rate, and checks both against float64.
+Kernels run on one TVM worker per physical core, as compiled models do (`pool.size_once`;
+TVM's own default is half the logical CPUs: one thread on a 2-core VM)."""
 import sys
 
 import numpy as np
@@ -14,6 +16,7 @@ from tvm.s_tir import dlight as dl
 
 from hla_tvm.frontend.pack_weights import panel_width
 from hla_tvm.quant.panels import at, to_panels
+from hla_tvm.runtime import pool
 from hla_tvm.schedule.rules.cpu import MatmulTiles
 from hla_tvm.target import host_target
 
@@ -62,6 +65,7 @@ def run(k, n, rows, rounds=5):
 
 
 if __name__ == "__main__":
+    pool.size_once()
     sizes = [int(a) for a in sys.argv[1:]] or [3072, 8192, 1, 3072, 8192, 8, 768, 3072, 512]
     for i in range(0, len(sizes) - 2, 3):
         run(*sizes[i:i + 3])
