@@ -157,8 +157,8 @@ class Adaptive:
     calls are fast or very slow as the scheduler happens to place them, and one lucky call
     must not decide). A call of LONG_S or more is timed once a count, and probed again only
     when it turns slow: the scheduler's slices average out over it, and five single-thread
-    calls of a long prefill (1.35 s each for the 120 M model's 512 tokens, 0.68 s on 2 cores)
-    would cost seconds. The candidates are probed again after `reprobe_s` seconds (doubled, up to
+    calls of a long prefill (1.35 s each for the 120 M model's 512 tokens, 0.68 s on 2 cores;
+    the demo model's 1,024: 41 against 25 ms) would cost seconds. The candidates are probed again after `reprobe_s` seconds (doubled, up to
     MAX_REPROBE_S, while probes keep choosing the same count), or as soon as SLOW_RUN calls in a
     row take SLOW times the chosen count's median (the load changed). Results do not depend on
     the count (each parallel loop splits independent rows), only the time does.
@@ -169,7 +169,7 @@ class Adaptive:
     """
 
     PROBE_CALLS = 5
-    LONG_S = 50e-3
+    LONG_S = 10e-3
     PARALLEL_FROM_S = 2e-3   # (the demo's prefill: 3.6 ms alone, 2.4 ms on 2 cores; decode
     # 0.14 ms alone, slower pooled)
     REPROBE_S, MAX_REPROBE_S = 1.0, 30.0
