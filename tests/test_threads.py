@@ -168,9 +168,10 @@ def test_the_worker_count_follows_the_measured_times():
 
 
 def test_long_calls_are_timed_once_a_count_and_probed_again_only_when_slow():
-    """A call of Adaptive.LONG_S or more (a long prefill) runs one call on each count, not
-    PROBE_CALLS single-thread calls first, and no timed probe runs it on one thread again; a
-    run of slow calls still probes."""
+    """Calls of Adaptive.LONG_S or more (a long prefill) run one call on each count, not
+    PROBE_CALLS single-thread calls first; they are probed again after MAX_REPROBE_S, not
+    REPROBE_S, or after a run of slow calls; one long call among short ones (a stall) does not
+    cut a probe short."""
     from hla_tvm.runtime.pool import Adaptive
 
     chooser = Adaptive(2, [].append)
@@ -182,11 +183,21 @@ def test_long_calls_are_timed_once_a_count_and_probed_again_only_when_slow():
         return n
 
     assert [call() for _ in range(4)] == [1, 2, 2, 2] and chooser.chosen == 2
-    chooser.since -= 10 * Adaptive.MAX_REPROBE_S   # long past a timed probe
+    chooser.since -= 2 * Adaptive.REPROBE_S   # past a short call's timed probe: not a long's
     assert [call() for _ in range(3)] == [2, 2, 2]
+    chooser.since -= Adaptive.MAX_REPROBE_S   # past a long call's
+    assert [call() for _ in range(3)] == [1, 2, 2] and chooser.chosen == 2
     cost[2] = 30 * Adaptive.LONG_S   # the load changed: after SLOW_RUN slow calls, a probe
     seen = [call() for _ in range(Adaptive.SLOW_RUN + 2)]
     assert seen == [2] * Adaptive.SLOW_RUN + [1, 2] and chooser.chosen == 1
+    # short calls with one stall among them keep their PROBE_CALLS a count
+    chooser = Adaptive(2, [].append)
+    times = iter([Adaptive.LONG_S * 3] + [Adaptive.PARALLEL_FROM_S * 2] * 20)
+    tried = []
+    for _ in range(2 * Adaptive.PROBE_CALLS):
+        tried.append(chooser.before())
+        chooser.after(next(times))
+    assert tried == [1] * Adaptive.PROBE_CALLS + [2] * Adaptive.PROBE_CALLS
 
 
 def test_other_load_counts_the_cores_other_processes_keep_busy():

@@ -155,13 +155,15 @@ class Adaptive:
     in turn (a count whose fastest call is SLOW times another's median is dropped at once),
     and the count with the least median time is kept (a median: beside a busy process a pool's
     calls are fast or very slow as the scheduler happens to place them, and one lucky call
-    must not decide). A call of LONG_S or more is timed once a count, and probed again only
-    when it turns slow: the scheduler's slices average out over it, and five single-thread
-    calls of a long prefill (1.35 s each for the 120 M model's 512 tokens, 0.68 s on 2 cores;
-    the demo model's 1,024: 41 against 25 ms) would cost seconds. The candidates are probed again after `reprobe_s` seconds (doubled, up to
-    MAX_REPROBE_S, while probes keep choosing the same count), or as soon as SLOW_RUN calls in a
-    row take SLOW times the chosen count's median (the load changed). Results do not depend on
-    the count (each parallel loop splits independent rows), only the time does.
+    must not decide). Calls of LONG_S or more (every call of the probe so far, two of them or
+    one of 10 LONG_S) are timed once a count: the scheduler's slices average out over them,
+    and five single-thread calls of a long prefill (1.35 s each for the 120 M model's 512
+    tokens, 0.68 s on 2 cores; the demo model's 1,024: 41 against 25 ms) would cost seconds.
+    The candidates are probed again after
+    `reprobe_s` seconds (doubled, up to MAX_REPROBE_S, while probes keep choosing the same
+    count; long calls after MAX_REPROBE_S), or as soon as SLOW_RUN calls in a row take SLOW
+    times the chosen count's median (the load changed). Results do not depend on the count
+    (each parallel loop splits independent rows), only the time does.
 
         n = chooser.before()      # the count to run this call with (the pool is set to it)
         ... the call ...
@@ -188,11 +190,11 @@ class Adaptive:
         self.slow = 0                # calls in a row slower than SLOW * typical
 
     def before(self):
-        # (long calls are probed again only when they turn slow: a timed probe would run one
-        # of them on a single thread each time)
+        # (long calls: a timed probe runs one of them on a single thread; seldom then)
+        wait = self.reprobe_s if self.chosen is None or self.typical < self.LONG_S else \
+            self.MAX_REPROBE_S
         if not self.order and (self.chosen is None or len(self.candidates) > 1 and
-                               self.typical < self.LONG_S and
-                               time.perf_counter() - self.since > self.reprobe_s):
+                               time.perf_counter() - self.since > wait):
             self._probe()
         n = self.order[0] if self.order else self.chosen
         if n != self.current:
@@ -204,7 +206,11 @@ class Adaptive:
         if self.order:
             n = self.order.pop(0)
             self.times.setdefault(n, []).append(seconds)
-            if seconds >= self.LONG_S:   # one call a count tells long calls apart
+            calls = sum(len(t) for t in self.times.values())
+            if all(min(t) >= self.LONG_S for t in self.times.values()) and \
+                    (calls > 1 or seconds >= 10 * self.LONG_S):
+                # long calls, all of them (two, or one of 10 LONG_S: a short call's stall is
+                # rarely both): one call a count tells them apart
                 self.order = list(dict.fromkeys(m for m in self.order if m not in self.times))
             # a count whose fastest call is SLOW times the (upper) median of a count with two
             # calls or more is far behind: not worth more calls
