@@ -148,7 +148,7 @@ def prepare(mod, target, quantize=None):
 
 def legalize(mod, target):
     """`mod` with its Relax operators lowered to TensorIR functions and fused (TVM's generic
-    library-dispatch and legalization passes; a float32 sigmoid through `fast_exp`,
+    library-dispatch and legalization passes; on CPUs a float32 sigmoid through `fast_exp`,
     `frontend.fast_sigmoid`), the form whose functions are scheduled. (TVM's
     CUDA legalization is the same plus dlight's schedules, which `lowering_pipeline` applies
     after the HLA kernels are scheduled.)"""
@@ -158,9 +158,10 @@ def legalize(mod, target):
 
     from .frontend.fast_sigmoid import LEGALIZE
 
-    with target:   # (TVM's own LegalizeOps after it finds nothing left)
-        return tvm.transform.Sequential(cpu.library_dispatch_passes(target)
-                                        + [relax.transform.LegalizeOps(LEGALIZE)]
+    # (on CPUs; TVM's own LegalizeOps after it finds nothing left)
+    fast = [relax.transform.LegalizeOps(LEGALIZE)] if target.kind.name == "llvm" else []
+    with target:
+        return tvm.transform.Sequential(cpu.library_dispatch_passes(target) + fast
                                         + cpu.legalize_passes(target))(mod)
 
 

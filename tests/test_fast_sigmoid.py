@@ -1,6 +1,6 @@
 """A float32 sigmoid legalized through `fast_exp` (`frontend.fast_sigmoid`, as `compiler.legalize`
-lowers it): against float64, over the whole float32 range, NaN kept; other dtypes as TVM has
-them."""
+lowers it on CPUs): against float64, over the whole float32 range, NaN kept; other dtypes and
+GPU targets as TVM has them."""
 import numpy as np
 import pytest
 
@@ -52,3 +52,12 @@ def test_other_dtypes_keep_tvms_sigmoid():
     names = [gv.name_hint for gv in legalize(mod, resolve("llvm")).get_global_vars()]
     assert not any(NAME in n for n in names), names
     np.testing.assert_allclose(_run(mod, x), 1.0 / (1.0 + np.exp(-x)), rtol=1e-12)
+
+
+def test_gpu_targets_keep_tvms_sigmoid():
+    """The rewrite is for CPUs (LLVM's one `expf` call an element): a CUDA module keeps TVM's
+    sigmoid (compiled here, no GPU needed)."""
+    mod = _sigmoid_module(64, "float32")
+    target = resolve({"kind": "cuda", "arch": "sm_90"})
+    names = [gv.name_hint for gv in legalize(mod, target).get_global_vars()]
+    assert not any(NAME in n for n in names) and any("sigmoid" in n for n in names), names

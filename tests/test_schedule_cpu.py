@@ -72,8 +72,9 @@ def test_matmul_tiles_symbolic_rows(rows, n):
 
 @pytest.mark.parametrize("batch,entries", [("b", 1), ("b", 2), ("b", 5), (4, 4), (3, 3)])
 def test_matmul_tiles_one_row_per_batch_entry(batch, entries):
-    """A decode step of several streams (x [B, 1, K]): the entries are the tile's rows
-    (`BATCH_ROWS`, a predicated tail for an odd count), symbolic or static B."""
+    """A decode step of several streams (x [B, 1, K]): the entries are the tile's rows,
+    `BATCH_ROWS` at a time for a symbolic B (a predicated tail for an odd count) or a static B
+    they divide, one at a time for another static B."""
     from hla_tvm.schedule.rules.cpu.matmul_tiles import BATCH_ROWS
 
     b = te.var("b", "int64") if batch == "b" else batch
@@ -88,10 +89,11 @@ def test_matmul_tiles_one_row_per_batch_entry(batch, entries):
 
 
 @pytest.mark.parametrize("name,group", [("bf16", None), ("int8", None), ("int4", 32)])
-@pytest.mark.parametrize("rows", [1, 13])
-def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, rows):
-    """A prefill's product with packed weights in panels (symbolic rows): the weight's column
-    tile is dequantized once under the parallel loop, then read by every row tile."""
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 13), ("b", 7)])
+def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, batch, rows):
+    """A prefill's product with packed weights in panels (symbolic rows, a static or symbolic
+    batch): the weight's column tile is dequantized once under the parallel loop, then read by
+    every row tile."""
     from hla_tvm.frontend.pack_weights import panel_width
     from hla_tvm.quant.kernels import DEQUANTIZE, matmul
     from hla_tvm.quant.panels import to_panels
@@ -102,7 +104,9 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, r
     tgt = resolve_model_target("llvm")
     p = panel_width(n, tgt)
     t = te.var("T", "int64")
-    x = te.placeholder(_i64(1, t, k), name="x")
+    b = te.var("b", "int64") if batch == "b" else batch
+    entries = 2 if batch == "b" else batch
+    x = te.placeholder(_i64(b, t, k), name="x")
     packed = quantize(sch, RNG.standard_normal((k, n)).astype(np.float32) * 0.1)
     qs = to_panels(packed["q"], p)
     q = te.placeholder(_i64(*qs.shape), str(qs.dtype), name="q")
@@ -111,12 +115,13 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, r
     mm = matmul(x, q, s, sch=sch, k=k, n=n, group=sch.group(k) if group else k, panel=p)
     func = te.create_prim_func([x, q, s, mm])
     rule = MatmulTiles().apply(func.with_attr("global_symbol", "main"), tgt, False)
-    script = rule.mod.script()
-    assert f'T.sblock("{DEQUANTIZE}")' in script   # a stage of its own, not inlined
+    # a stage of its own, under the parallel loop (not inlined, not computed whole at the root)
+    loops = rule.get_loops(rule.get_sblock(DEQUANTIZE))
+    assert rule.get(loops[0]).kind == tvm.tirx.ForKind.PARALLEL
     with tgt:
         lib = tvm.compile(rule.mod, target=tgt)
-    xs = RNG.standard_normal((1, rows, k)).astype(np.float32)
-    got = tvm.runtime.tensor(np.zeros((1, rows, n), np.float32))
+    xs = RNG.standard_normal((entries, rows, k)).astype(np.float32)
+    got = tvm.runtime.tensor(np.zeros((entries, rows, n), np.float32))
     lib["main"](*[tvm.runtime.tensor(a) for a in (xs, qs, np.ascontiguousarray(scale))], got)
     want = xs.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
@@ -163,7 +168,8 @@ def test_chunk_gemm_tile_stays_on_the_stack(lanes, elem_bytes, rows, cols):
 
 
 @pytest.mark.parametrize("name,group,batch", [("int4", 32, 1), ("int4", 32, 3),
-                                              ("int8", None, 2), ("int8", 32, 1)])
+                                              ("int8", None, 2), ("int8", 32, 1),
+                                              ("int8", 32, 5)])
 def test_group_matvec_with_its_epilogue(name, group, batch):
     """A decode step's product with packed weights in panels, the scales out of each group's
     sum (`quant.kernels.group_matvec`, `GroupMatvec`), plus a residual add, for a symbolic

@@ -1,4 +1,4 @@
-"""Legalization of a float32 sigmoid (a SiLU gate: torch.export writes F.silu(x) as
+"""Legalization of a float32 sigmoid on CPUs (a SiLU gate: torch.export writes F.silu(x) as
 x * sigmoid(x)) that vectorizes:
 
     sigmoid(x) = 1 / (1 + e^-x),   e^-x by TVM's polynomial `topi.fast_exp`
@@ -23,12 +23,13 @@ def _compute(x):
 
 
 def legalize_sigmoid(bb, call):
-    """`LegalizeOps`' function for relax.sigmoid: `_compute` for float32, TVM's otherwise."""
-    from tvm import topi
+    """`LegalizeOps`' function for relax.sigmoid: `_compute` for float32, TVM's own
+    legalization otherwise."""
+    import tvm
 
     x = call.args[0]
     if str(getattr(x.ty, "dtype", "")) != "float32":
-        return bb.call_te(topi.sigmoid, x, primfunc_name_hint="tir_sigmoid")
+        return tvm.ir.Op.get("relax.sigmoid").get_attr("FLegalize")(bb, call)
     return bb.call_te(_compute, x, primfunc_name_hint=NAME)
 
 

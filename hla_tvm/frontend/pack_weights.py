@@ -1,6 +1,6 @@
 """Relax rewrite: a model's weights stored as the kernels read them, packed under a quantization
 scheme (`hla_tvm.quant`) or float32, in panels on CPUs (`quant.panels`), and read by kernels that
-dequantize them in their inner loops (`quant.kernels`).
+dequantize them where they are used (`quant.kernels`).
 
     matmul(x, permute_dims(W [N, K]))  or  matmul(x, W [K, N])   ->  quant.kernels.matmul
     take(E [N, K], ids, axis=0)                                  ->  quant.kernels.take

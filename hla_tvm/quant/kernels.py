@@ -5,9 +5,10 @@ copy of a weight exists at run time.
     matmul(x [.., K], q, scale) -> [.., N]      out[.., n] = sum_k x[.., k] * W[k, n]
     take(q, scale, ids [..])   -> [.., K]       out[.., k] = W[k, clip(id, 0, N - 1)]
 
-W[k, n] is `dequantized(k, n)`: a stage of its own ("dequantize") that the schedule inlines
-into the product (`schedule.rules.cpu.matmul_tiles` inlines element-wise producers), so each
-stored value is read and decoded in the product's inner loop. `panel`: the stored values'
+W[k, n] is `dequantized(k, n)`: a stage of its own (DEQUANTIZE) that the schedule inlines
+into a decode step's product, so each stored value is read and decoded in its inner loop; a
+prefill's product (several rows) computes it once per column tile, which every row tile then
+reads (`schedule.rules.cpu.matmul_tiles`). `panel`: the stored values'
 panel width (`frontend.pack_weights.panel_width`), None for the [R, N] layout."""
 from __future__ import annotations
 

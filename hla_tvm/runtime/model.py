@@ -396,8 +396,11 @@ class CompiledModel:
             raise ValueError(f"{what} must not be empty")
         if self.vocab_size:
             # (a decode step's few ids: Python's min and max, 10x faster than numpy's)
-            ids = arr.ravel().tolist() if arr.size <= 64 else arr
-            lo, hi = (min(ids), max(ids)) if arr.size <= 64 else (arr.min(), arr.max())
+            if arr.size <= 64:
+                ids = arr.ravel().tolist()
+                lo, hi = min(ids), max(ids)
+            else:
+                lo, hi = arr.min(), arr.max()
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
         self._check_batch(arr.shape[0], what)

@@ -75,7 +75,9 @@ def schedule(sch, lanes):
     loops = sch.get_loops(part)
     pn, pk = loops[-2], loops[-1]
     prow = None if rows is None else \
-        next(lp for lp in reversed(loops[:-2]) if static_extent(sch, lp) == BATCH_ROWS)
+        next((lp for lp in reversed(loops[:-2]) if static_extent(sch, lp) == BATCH_ROWS), None)
+    if rows is not None and prow is None:
+        raise ValueError("the partial sums hold no loop over the tile's rows")
     if prow is None:
         sch.reorder(pk, pn)
     else:   # a weight's value read and converted once for the tile's rows

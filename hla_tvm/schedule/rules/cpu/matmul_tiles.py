@@ -14,8 +14,8 @@ tail (loop partition).
 One B row segment of COLS floats feeds ROWS rows per load; the tile is written once, through the
 epilogue (inlined into the write-back), so the product never makes a round trip to memory. A
 packed weight (`hla_tvm.quant`) is dequantized in the inner loop for one row (a decode step),
-and for more rows once per column tile, K x COLS floats under the parallel loop, which every
-row tile then reads as a float32 weight.
+and for more rows once per column tile, K x COLS floats under the parallel column loop (the
+leading axes then run inside it), which every row tile reads as a float32 weight.
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ ROW_VECTORS = 8
 # BATCH_ROWS at a time, over the one-row tile's columns, so a weight read serves two entries.
 # Measured (Zen 4, K 3072 x N 8192 float32 in panels): 8 entries 37.2 -> 7.9 ms, one entry
 # 4.94 -> 4.98 ms (its tile's second row predicated off); 4 rows spilled (K 768 x N 3072, 8
-# entries: 0.94 against 0.42 ms for 2)
+# entries: 0.94 against 0.42 ms for 2). On AVX2 (16 registers, 64 columns) the tile's 16
+# accumulators take every register, still measured ahead (AVX2 code on the Zen 4: one entry
+# 4.06 -> 4.18 ms, 8 entries 32.8 -> 10.6). The parallel loop is then the column tiles alone.
 BATCH_ROWS = 2
 ACCUMULATORS = 12           # vector registers a tile may hold (AVX2 has 16, AVX-512 32)
 
@@ -170,7 +172,9 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
         io, ii = i, None
     outer = [jo, *lead] if shared else [*lead, jo]
     sch.reorder(*outer, io, k, *([ii] if ii is not None else []), ji)
-    par = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    # (a packed weight's tile under the column loop alone: fused with a symbolic batch, its
+    # region is not found)
+    par = jo if packed else sch.fuse(*outer) if len(outer) > 1 else outer[0]
     sch.parallel(par)
     for b in packed:
         sch.compute_at(b, par)
@@ -189,7 +193,7 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
         if sch.get(b).name_hint not in kept and not under(sch, b, io):
             sch.reverse_compute_at(b, io)
     for b in sch.get_child_blocks(io):
-        if b.same_as(block):
+        if sch.get(b).name_hint == sch.get(block).name_hint:
             continue
         inner = sch.get_loops(b)[-1]
         if static_extent(sch, inner) == (cols if isinstance(cols, int) else int(sch.get(cols))):
