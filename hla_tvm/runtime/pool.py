@@ -159,11 +159,11 @@ class Adaptive:
     one of 10 LONG_S) are timed once a count: the scheduler's slices average out over them,
     and five single-thread calls of a long prefill (1.35 s each for the 120 M model's 512
     tokens, 0.68 s on 2 cores; the demo model's 1,024: 41 against 25 ms) would cost seconds.
-    The candidates are probed again after
-    `reprobe_s` seconds (doubled, up to MAX_REPROBE_S, while probes keep choosing the same
-    count; long calls after MAX_REPROBE_S), or as soon as SLOW_RUN calls in a row take SLOW
-    times the chosen count's median (the load changed). Results do not depend on the count
-    (each parallel loop splits independent rows), only the time does.
+    The candidates are probed again after `reprobe_s` seconds (doubled, up to MAX_REPROBE_S,
+    while probes keep choosing the same count; long calls after MAX_REPROBE_S), or as soon as
+    SLOW_RUN calls in a row take SLOW times the chosen count's median (the load changed).
+    Results do not depend on the count (each parallel loop splits independent rows), only the
+    time does.
 
         n = chooser.before()      # the count to run this call with (the pool is set to it)
         ... the call ...

@@ -14,6 +14,18 @@ def static_extent(sch, loop):
     return int(ext.value) if hasattr(ext, "value") else None
 
 
+def joint_extent(sch, loops):
+    """The iterations `loops` make together: the product of their extents (1 for none), None
+    when one is symbolic."""
+    out = 1
+    for loop in loops:
+        ext = static_extent(sch, loop)
+        if ext is None:
+            return None
+        out *= ext
+    return out
+
+
 def under(sch, block, loop):
     """True when `block` lies inside `loop` (a loop RV of the schedule `sch`)."""
     target = sch.get(loop)

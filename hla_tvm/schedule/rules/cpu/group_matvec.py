@@ -14,13 +14,18 @@ runs by row pairs, unrolled, so one byte load feeds both nibbles. Speed:
 docs/cpu_schedules.md."""
 from __future__ import annotations
 
-import math
-
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
 from ....quant.kernels import GROUP_PARTIAL, GROUP_SCALED, GROUP_SUM
-from ...common import inline_elementwise, is_elementwise, reads_pairs, static_extent, under
+from ...common import (
+    inline_elementwise,
+    is_elementwise,
+    joint_extent,
+    reads_pairs,
+    static_extent,
+    under,
+)
 from .matmul_tiles import BATCH_ROWS, tile_shape, vector_lanes
 
 
@@ -49,17 +54,17 @@ def schedule(sch, lanes):
     if cols is None:
         return False
     no, ni = sch.split(n, factors=[None, cols])
-    extents = [static_extent(sch, lp) for lp in lead]
+    entries = joint_extent(sch, lead)
     rows = None
     pairs = reads_pairs(sch.get(part))
     # batch entries: BATCH_ROWS at a time, sharing each weight's conversion; int4 keeps one at
     # a time (its tile's predicated second row cost a one-entry step 7%: K 3072 x N 8192,
     # 0.99 -> 1.06 ms, for 7.7 -> 5.6 ms with eight)
-    if not pairs and (None in extents or math.prod(extents) > 1):
+    if not pairs and (entries is None or entries > 1):
         bo, rows = sch.split(sch.fuse(*lead), factors=[None, BATCH_ROWS])
         lead = [bo]
         sch.reorder(no, bo, g, rows, ni)
-        if None in extents:   # whole tiles, then one predicated tail
+        if entries is None:   # whole tiles, then one predicated tail
             sch.annotate(bo, "pragma_loop_partition_hint", 1)
     else:
         sch.reorder(no, *lead, g, ni)

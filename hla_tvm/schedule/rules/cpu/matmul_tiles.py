@@ -19,8 +19,6 @@ leading axes then run inside it), which every row tile reads as a float32 weight
 dlight's CPU rules take inner reductions (x times a [N, K] weight, norms); this takes the rest."""
 from __future__ import annotations
 
-import math
-
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
@@ -29,6 +27,7 @@ from ...common import (
     DATA_PAR,
     inline_elementwise,
     is_elementwise,
+    joint_extent,
     reads_pairs,
     static_extent,
     under,
@@ -138,13 +137,11 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     rows_ext, n = static_extent(sch, loops[-3]), static_extent(sch, loops[-2])
     d_rows, d_cols = tile_shape(rows_ext, n, lanes)
     shared = _weight_shared(sch.get(block))
-    lead_ext = [static_extent(sch, lp) for lp in loops[:-3]]
+    entries = joint_extent(sch, loops[:-3])
     # one row per batch entry, the entries more than one or symbolic: they become the rows
-    batch = rows_ext == 1 and shared and lead_ext and \
-        (None in lead_ext or math.prod(lead_ext) > 1)
+    batch = rows_ext == 1 and shared and (entries is None or entries > 1)
     if batch:
-        d_rows = BATCH_ROWS
-        rows_ext = None if None in lead_ext else math.prod(lead_ext)
+        d_rows, rows_ext = BATCH_ROWS, entries
     rows, cols = rows or d_rows, cols or d_cols
     if cols is None or n is None or n % cols:
         return False
