@@ -32,6 +32,24 @@ def _build(mod, target, _params):
     return build(mod, target=target)
 
 
+def _import_tensor_intrinsics():
+    """Import `tvm.s_tir.tensor_intrin` (meta_schedule's TuneContext does, once a process) in
+    seconds rather than 25 s (2 cores, torch loaded). Each of its hundreds of TVMScript functions
+    calls `inspect.stack()`, and for every frame of a frozen module (importlib's, on the stack
+    during any import) `inspect.getmodule` scans all of `sys.modules` (about 2,000 with torch):
+    frozen modules have no `__file__`, so its cache never holds them. Naming them in that cache
+    first (`inspect.modulesbyfile`, "<frozen NAME>" -> NAME) gives the answer the scan's
+    fall-through gave: such a module has no source to show."""
+    import inspect
+
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    for name, module in list(sys.modules.items()):
+        if getattr(getattr(module, "__spec__", None), "origin", None) == "frozen":
+            inspect.modulesbyfile.setdefault(f"<frozen {name}>", name)
+    import tvm.s_tir.tensor_intrin  # noqa: F401
+
+
 def _export(compiler, mod):
     """meta_schedule's export step: the candidate as a shared library, linked by `compiler`
     (a cross compiler's command; None: this machine's)."""
@@ -441,6 +459,7 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     from ...target import cross_compiler
     from . import records
 
+    _import_tensor_intrinsics()
     builder = ms.builder.LocalBuilder(
         f_build=_build, f_export=functools.partial(_export, cross_compiler(target)),
         timeout_sec=300)
