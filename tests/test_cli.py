@@ -1,5 +1,7 @@
 """The console script: help text, cache listing, bench on a small shape (the demo: in
 test_shipped_model.py)."""
+import time
+
 import pytest
 
 from hla_tvm.cli import main
@@ -12,6 +14,7 @@ FAST = {
     "test_output_cut_short_by_a_pipe_is_not_an_error",
     "test_version_and_module_entry_point",
     "test_cache_lists_folder",
+    "test_a_self_timed_case_counts_its_own_seconds_over_at_most_its_calls",
     "test_cache_after_clear_says_empty",
     "test_the_target_is_checked_before_any_model_work",
     "test_debug_shows_the_traceback",
@@ -62,6 +65,31 @@ def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
     assert main(["bench", "decode", "--heads", "2", "--dk", "8", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "note: tvm 2 of 2, " in out and "threads still working after waiting 1 s" in out
+
+
+def test_a_self_timed_case_counts_its_own_seconds_over_at_most_its_calls(monkeypatch):
+    """A mixed case's slow `before` runs once per counted call, at most `max_calls` a round,
+    and only the call itself is timed."""
+    from hla_tvm.cli import timing
+
+    monkeypatch.setattr(timing, "settle", lambda: True)
+    ran = {"before": 0, "fn": 0, "plain": 0}
+
+    def before():
+        ran["before"] += 1
+        time.sleep(0.02)
+
+    def fn():
+        ran["fn"] += 1
+
+    def plain():
+        ran["plain"] += 1
+
+    times = timing.measure_rounds({"mixed": timing.SelfTimed(before, fn, max_calls=3),
+                                   "plain": plain}, runs=2, number=50)
+    # two warm-up calls each, then 2 rounds of 3 (mixed) and of 50 (plain) calls
+    assert ran == {"before": 2 + 2 * 3, "fn": 2 + 2 * 3, "plain": 2 + 2 * 50}
+    assert len(times["mixed"]) == 2 and all(t < 0.02 for t in times["mixed"])
 
 
 def test_cache_lists_folder(capsys):

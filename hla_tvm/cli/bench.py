@@ -19,7 +19,8 @@ prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or withou
 The table names the fastest PyTorch form (every torch* case but softmax attention) and tvm's
 speed against it. The mixed rows time tvm, the strongest compiled PyTorch form and (decode) the
 state copy in a process that runs PyTorch work between the calls, as a model does: each call
-follows a 1024 x 1024 torch.mm (MIXED_SIZE), and the call alone is timed.
+follows a 1024 x 1024 torch.mm (MIXED_SIZE), and the call alone is timed (at most MIXED_CALLS
+calls a round: the matmuls take far longer than the decode steps between them).
 
 Every timed run starts once the process's threads are idle (`timing.settle`): the
 thread pools of PyTorch and ONNX Runtime spin on after their work and would take the cores
@@ -37,6 +38,7 @@ from .timing import SelfTimed, machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 MIXED_SIZE = 1024   # the PyTorch matmul before each call of a mixed case (n x n, float32)
+MIXED_CALLS = 20    # calls of a mixed case a round (a decode round of the others has 200)
 PEERS_EXCLUDED = ("torch_sdpa",)   # torch* cases that are no form of the operator
 
 
@@ -180,7 +182,7 @@ def with_mixed(cases, names):
     a = torch.randn(MIXED_SIZE, MIXED_SIZE)
     b = torch.randn(MIXED_SIZE, MIXED_SIZE)
     for name in names:
-        cases[f"{name}_mixed"] = SelfTimed(lambda: torch.mm(a, b), cases[name])
+        cases[f"{name}_mixed"] = SelfTimed(lambda: torch.mm(a, b), cases[name], MIXED_CALLS)
 
 
 def summary(results):

@@ -22,10 +22,11 @@ def settle(most=1.0, window=0.005):
 
 class SelfTimed:
     """A case whose calls run `before()` untimed, then `fn()` timed: called, it returns the
-    seconds `fn` took (`measure_rounds` counts those alone)."""
+    seconds `fn` took (`measure_rounds` counts those alone, over at most `max_calls` calls a
+    round: a long `before` would otherwise multiply a round of many short calls)."""
 
-    def __init__(self, before, fn):
-        self.before, self.fn = before, fn
+    def __init__(self, before, fn, max_calls=None):
+        self.before, self.fn, self.max_calls = before, fn, max_calls
 
     def __call__(self):
         self.before()
@@ -53,7 +54,8 @@ def measure_rounds(cases, runs, number=1, probe=None, busy=None):
             if not settle() and busy is not None:
                 busy[name] = busy.get(name, 0) + 1
             if isinstance(fn, SelfTimed):
-                times[name].append(sum(fn() for _ in range(number)) / number)
+                calls = min(number, fn.max_calls or number)
+                times[name].append(sum(fn() for _ in range(calls)) / calls)
                 continue
             t0 = time.perf_counter()
             for _ in range(number):
