@@ -8,6 +8,9 @@ import tvm
 from tvm.script import tirx as T
 
 from .dtypes import IO_DTYPES, accum_dtype  # noqa: F401  (the kernel modules take them here)
+from .script_frames import skip_module_scans
+
+skip_module_scans()   # (the kernels' TVMScript parses in a fraction of the time)
 
 # In-place state updates X = f(X) are written as reductions over a unit axis whose init leaves X
 # as it is: s_tir then sees a reduction block (the only writer of X, reading its own output),

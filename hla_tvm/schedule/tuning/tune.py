@@ -34,19 +34,11 @@ def _build(mod, target, _params):
 
 def _import_tensor_intrinsics():
     """Import `tvm.s_tir.tensor_intrin` (meta_schedule's TuneContext does, once a process) in
-    seconds rather than 25 s (2 cores, torch loaded). Each of its hundreds of TVMScript functions
-    calls `inspect.stack()`, and for every frame of a frozen module (importlib's, on the stack
-    during any import) `inspect.getmodule` scans all of `sys.modules` (about 2,000 with torch):
-    frozen modules have no `__file__`, so its cache never holds them. Naming them in that cache
-    first (`inspect.modulesbyfile`, "<frozen NAME>" -> NAME) gives the answer the scan's
-    fall-through gave: such a module has no source to show."""
-    import inspect
+    seconds rather than 25 s: its hundreds of TVMScript functions each look at the stack, which
+    holds importlib's frozen frames during the import (`ops.common.script_frames`)."""
+    from ...ops.common.script_frames import skip_module_scans
 
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    for name, module in list(sys.modules.items()):
-        if getattr(getattr(module, "__spec__", None), "origin", None) == "frozen":
-            inspect.modulesbyfile.setdefault(f"<frozen {name}>", name)
+    skip_module_scans()
     import tvm.s_tir.tensor_intrin  # noqa: F401
 
 
