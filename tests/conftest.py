@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -14,9 +16,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_cache(tmp_path_factory):
-    """Compiled kernels go to a fresh folder for the test session, not the user's cache."""
+    """Compiled kernels go to a fresh folder for the test run, not the user's cache: one folder
+    that the run's xdist workers share (a kernel or model one worker built, the others load;
+    the cache's writes are atomic), beside the workers' own temporary folders."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("HLA_TVM_CACHE_DIR", str(tmp_path_factory.mktemp("hla_tvm_cache")))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "hla_tvm_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("hla_tvm_cache")
+    mp.setenv("HLA_TVM_CACHE_DIR", str(folder))
     yield
     mp.undo()
 
