@@ -59,7 +59,9 @@ def main():
     from hla_tvm.runtime.pool import physical_cores
     from hla_tvm.target import resolve
 
-    path, _ = demo.compiled_module(HLALM.load(demo.SHIPPED), resolve("llvm"))
+    # the module `hla-tvm demo` runs (compiled for demo.STREAMS streams)
+    path, _ = demo.compiled_module(HLALM.load(demo.SHIPPED), resolve("llvm"),
+                                   max_batch=demo.STREAMS)
     counts = {"auto": 0, "1": 1, str(physical_cores()): physical_cores()}
     rows = {}
     for _ in range(a.rounds):
