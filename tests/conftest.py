@@ -22,7 +22,7 @@ def _kernel_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         folder = tmp_path_factory.getbasetemp().parent / "hla_tvm_cache"
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)   # (private, as the cache wants)
     else:
         folder = tmp_path_factory.mktemp("hla_tvm_cache")
     mp.setenv("HLA_TVM_CACHE_DIR", str(folder))

@@ -14,6 +14,7 @@ FAST = {
     "test_output_cut_short_by_a_pipe_is_not_an_error",
     "test_version_and_module_entry_point",
     "test_cache_lists_folder",
+    "test_cache_sizes_skip_files_gone_meanwhile",
     "test_a_self_timed_case_counts_its_own_seconds_over_at_most_its_calls",
     "test_cache_after_clear_says_empty",
     "test_the_target_is_checked_before_any_model_work",
@@ -90,6 +91,19 @@ def test_a_self_timed_case_counts_its_own_seconds_over_at_most_its_calls(monkeyp
     # two warm-up calls each, then 2 rounds of 3 (mixed) and of 50 (plain) calls
     assert ran == {"before": 2 + 2 * 3, "fn": 2 + 2 * 3, "plain": 2 + 2 * 50}
     assert len(times["mixed"]) == 2 and all(t < 0.02 for t in times["mixed"])
+
+
+def test_cache_sizes_skip_files_gone_meanwhile(tmp_path, monkeypatch):
+    """Another process's write in progress or load link may vanish while the cache is listed
+    (the test run's workers share one cache): it counts 0 bytes, not an error."""
+    from hla_tvm.runtime import cache
+
+    (tmp_path / "a.so").write_bytes(b"x" * 10)
+    assert cache.size(tmp_path / "gone.so") == 0
+    real = cache.os.walk
+    monkeypatch.setattr(cache.os, "walk",
+                        lambda p: [(d, ds, [*fs, "gone"]) for d, ds, fs in real(p)])
+    assert cache.size(tmp_path) == 10
 
 
 def test_cache_lists_folder(capsys):

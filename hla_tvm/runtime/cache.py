@@ -126,10 +126,18 @@ def others():
 
 
 def size(path):
-    """Bytes of a file, or of the files in a folder."""
+    """Bytes of a file, or of the files in a folder; 0 for a file gone meanwhile (another
+    process's write in progress, or its load link, removed right after use)."""
     if not os.path.isdir(path) or os.path.islink(path):
+        return _lstat_size(path)
+    return sum(_lstat_size(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _lstat_size(path):
+    try:
         return os.lstat(path).st_size
-    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
+    except FileNotFoundError:
+        return 0
 
 
 def clear(records=False):
