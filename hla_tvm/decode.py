@@ -78,6 +78,7 @@ class _Plan:
         self.shapes = tuple(torch.Size(shapes[n]) for n in self.names)
         self.kv = tuple(n in op.kv_state for n in self.names)
         self.out_shape = torch.Size((B, H, 1, dv))
+        self.like_q = dv == dk   # o is shaped as q [B, H, 1, Dk], in its dtype and device
         self.dtype, self.ndim = q.dtype, q.dim()
         self.context = f"{op.name} with B={B}, H={H}, Hkv={Hkv}, Dk={dk}, Dv={dv}"
         self.decayed = opts.decayed
@@ -89,6 +90,7 @@ class _Plan:
                                               device=q.device))[0].contiguous()
         self.cuda = q.is_cuda
         self.apart = None   # the data pointers of the last state (and out) found apart
+        self.state_ok = None   # those of the last state that passed check_state and apart
         self._local = threading.local()   # each thread's worker-count chooser
 
     def check_apart(self, st, out=None):
@@ -203,6 +205,17 @@ class _Plan:
         return out
 
 
+def _needs_gradient(q, k, v, decay, state):
+    """Whether a tensor of the call may require grad (`validate.no_gradients` then looks: it
+    also takes arguments that are no tensors)."""
+    try:
+        return q.requires_grad or k.requires_grad or v.requires_grad or \
+            getattr(decay, "requires_grad", False) or \
+            any(x.requires_grad for x in state.values())
+    except (AttributeError, TypeError):
+        return True
+
+
 def _repeat_heads(x, group):
     """x [B, Hkv, ...] with each head repeated `group` times: a new aligned tensor [B, H, ...],
     filled on this thread."""
@@ -214,15 +227,17 @@ def _repeat_heads(x, group):
     return full
 
 
-def decode_plan(q, k, v, call):
+def decode_plan(q, k, v, call, key=None):
     """The `_Plan` of one token on q, k, v with the keyword options `call` (`options.DEFAULTS`),
-    made once per shapes, dtypes, device and options and kept."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    opts = options.key(call)
-    key = None if opts is None else \
-        (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, opts)
+    made once per shapes, dtypes, device and options and kept. key: the plan's key where the
+    caller made it (`_fast_key`)."""
+    if key is None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        opts = options.key(call)
+        key = None if opts is None else \
+            (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, opts)
     plan = None if key is None else _PLANS.get(key)
     if plan is None:   # (an unhashable option: checked, and refused, by the plan)
         plan = _Plan(q, k, v, call)
@@ -230,6 +245,20 @@ def decode_plan(q, k, v, call):
             with _LOCK:
                 _PLANS[key] = plan
     return plan
+
+
+def _fast_key(q, k, v, opts):
+    """A key of `decode_plan` for tensors q, k, v and the options `opts` (a tuple in
+    `options.DEFAULTS`' order) where every option is a plain value (decay None or a number,
+    target None or a string), else None (then `options.key` makes one)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or \
+            type(v) is not torch.Tensor:
+        return None
+    decay, target = opts[6], opts[7]
+    if not (decay is None or type(decay) in (float, int)) or \
+            not (target is None or type(target) is str):
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, opts)
 
 
 def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize=False,
@@ -245,10 +274,18 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
 
     Use `decode_` to stream tokens (it costs about the kernel); `hla` is functional (it copies
     the state, leaving the caller's untouched) and handles prompts of any length."""
-    validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
-    plan = decode_plan(q, k, v, dict(order=order, asymmetric=asymmetric, masked=masked,
-                                     normalize=normalize, eps=eps, ridge=ridge, decay=decay,
-                                     target=target, schedules=schedules))
+    # (each check below costs well under a microsecond where it passes; the kernel of the
+    # B1 H8 D64 step takes about 8)
+    if torch.is_grad_enabled() and _needs_gradient(q, k, v, decay, state):
+        validate.no_gradients("decode_", q=q, k=k, v=v, decay=decay, state=state)
+    opts = (order, asymmetric, masked, normalize, eps, ridge, decay, target, schedules)
+    key = _fast_key(q, k, v, opts)
+    try:
+        plan = None if key is None else _PLANS.get(key)
+    except TypeError:   # an unhashable option: checked, and refused, by the plan
+        key = plan = None
+    if plan is None:
+        plan = decode_plan(q, k, v, dict(zip(options.DEFAULTS, opts)), key)
     if plan.out_shape[0] == 0:   # an empty batch: nothing to advance
         plan.check_state(state)
         if out is not None:
@@ -258,20 +295,29 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
                            plan.out_shape[3:], dtype=plan.dtype, device=plan.device)
     try:
         st = plan.get(state)
-        ok = len(state) == len(plan.names)
-    except (KeyError, TypeError):
+        # the tensors at the data pointers the last full check passed (the same state, step
+        # after step): the compiled function checks their shapes, dtypes and layout itself
+        ok = len(state) == len(plan.names) and plan.group == 1 and \
+            [x.data_ptr() for x in st] == plan.state_ok
+    except (KeyError, TypeError, AttributeError):
         ok = False
-    if not ok or plan.group > 1 or \
-            any(type(x) is torch.Tensor and x.data_ptr() % ALIGN for x in st):
+    if not ok:
         st = plan.check_state(state)   # (grouped: the kernels see repeated copies)
+        plan.check_apart(st)
+        plan.state_ok = [x.data_ptr() for x in st]
     q, k, v = aligned(q.contiguous()), aligned(k.contiguous()), aligned(v.contiguous())
     if plan.ndim == 3:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
-    o = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device) if out is None else \
-        (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) else out
-    if out is not None and o.data_ptr() % ALIGN:
-        plan.check_out(out)
-    plan.check_apart(st, o if out is not None else None)
+    if out is None:   # (empty_like costs a third of empty with a shape, dtype and device)
+        o = torch.empty_like(q) if plan.like_q else \
+            torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    else:
+        o = (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) \
+            else out
+    if out is not None:
+        if o.data_ptr() % ALIGN:
+            plan.check_out(out)
+        plan.check_apart(st, o)
     try:
         # the compiled function checks every argument's shape, dtype, layout and device before
         # it writes anything; its complaint is explained below
@@ -283,4 +329,4 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
         raise
     if out is not None:
         return out
-    return o if plan.ndim == 4 else o.view(o.shape[0], o.shape[1], o.shape[3])
+    return o if plan.ndim == 4 else o.squeeze(2)

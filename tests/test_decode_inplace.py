@@ -118,11 +118,15 @@ def _bad(state, name, value):
 def test_errors_name_the_argument():
     q, k, v = (x[:, :, 0] for x in make_qkv(B, H, 1, DK, DV, seed=7, dtype=torch.float32))
     st = init_state(B, H, DK, DV)
+    decode_(q, k, v, st)   # (this state passed once: a view of its memory is checked again)
     S = st["S"]
     cases = [
         (_bad(st, "S", S[:1]), ValueError, r"state\['S'\] must have shape \[2, 6, 8, 8\]"),
         (_bad(st, "C", st["C"].double()), TypeError, r"state\['C'\] must be torch.float32"),
         (_bad(st, "S", S.transpose(-1, -2)), ValueError, r"state\['S'\] must be contiguous"),
+        (_bad(st, "C", st["C"].view(torch.int32)), TypeError, r"state\['C'\] must be torch.f"),
+        (_bad(st, "G", st["G"].view(B, H, DV, DK)[:, :, :DK]), ValueError,
+         r"state\['G'\] must have shape"),
         ({n: x for n, x in st.items() if n != "h"}, ValueError, "exactly the keys"),
         (_bad(st, "extra", S), ValueError, "exactly the keys"),
         (_bad(st, "m", [1, 2]), TypeError, r"state\['m'\] must be a torch.Tensor"),

@@ -22,8 +22,8 @@ OPERATOR = Operator(
 
 FAMILIES = (
     Family("hla2", "hla2", chain.PREFILL, f"{__name__}.kernels"),
-    # its decode on GPUs reads each state element once (`kernels_decay.decode(columns=True)`;
-    # the row-wise form, which the CPU records were tuned for, reads C three times)
+    # its decode reads each state element once: row by row on CPUs, a column a thread on GPUs
+    # (`kernels_decay.decode(columns=True)`)
     Family("hla2_decay", "hla2", chain.PREFILL_DECAY, f"{__name__}.kernels_decay",
            gpu_options={"columns": True}),
 )

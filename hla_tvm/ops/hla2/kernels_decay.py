@@ -20,8 +20,8 @@ tail_s = g^(len-s), tail1_s = g^(len-1-s), B[j, s] = k_j.q_s [s < j]:
     The cross term K^T K Cc is summed as K^T (K Cc), in one product with the chunk's own term
     K^T (B (tail1 V)): 2 n dk dv multiply-adds per chunk where (K^T K) Cc took dk^2 (n + dv) and
     the own term a K^T product of its own; K Cc serves the output too.
-    decode         Algorithm 1 for one token, in place (GPUs: columns=True, the same step
-                   reading each state element once).
+    decode         Algorithm 1 for one token, in place, each state element read and written
+                   once (rows on CPUs, columns on GPUs).
 With grouped heads (group > 1) the key/value-head buffers (k, v, S, dS, Sc, gl) are read at head
 h // group by query head h (the decay is equal within a group).
 """
@@ -46,9 +46,7 @@ from ..common.tir import (
     stage as _stage,
     transpose as _transpose,
     update_axpy as _update_axpy,
-    update_outer as _update_outer,
     vecdot as _vecdot,
-    vecmat as _vecmat,
     write_token as _write_token,
 )
 
@@ -59,15 +57,18 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
     C = gC + q v^T, m = gm + q; o = q^T((S + lI) C - G) [/ (q^T((S + lI) m - h) + eps)]
     (without the G, h terms when unmasked). gamma [H]: ones for no decay.
 
-    columns=True (for GPUs) reads each element of S, C and G once and writes it once (S
-    symmetric): column i of S gives u_i = g (S q)_i + k_i (k.q) + l q_i = ((S_new + lI) q)_i
-    while it is updated; column j of C gives (k^T C)_j and (u^T C)_j while it is updated, then
-    column j of G gives (q^T G)_j while G_new = gG + k (k^T C) is written; o_j = g (u^T C)_j
-    + (u.q) v_j - g (q^T G)_j - (q.k) (k^T C)_j (C, G before the token). The row-wise form
-    (the CPU's, which its tuned records are for) reads C three times and S and G twice."""
+    Each element of S, C and G is read once and written once, in three passes (S, then C,
+    then G; S symmetric), using o = u^T C_new - q^T G_new = g u^T C + (u.q) v^T - g q^T G
+    - (q.k) (k^T C) (C, G before the token):
+      S pass: S_new = gS + k k^T, and u = (S_new + lI) q summed along it;
+      C pass: k^T C and u^T C summed while C_new = gC + q v^T is written;
+      G pass: q^T G summed while G_new = gG + k (k^T C) is written.
+    The CPU's form (`_rows`) walks rows (contiguous: a row's update and its sums are vector
+    operations); columns=True (GPUs: a thread a column) walks columns."""
     io, acc = dtype, accum_dtype(dtype)
     _c = functools.partial(const, dtype=acc)
     mk = 1.0 if masked else 0.0
+    step = _columns if columns else _rows
 
     @T.prim_func(s_tir=True)
     def hla2_decay_decode(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, S_h: T.handle,
@@ -94,30 +95,7 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             num = T.alloc_buffer((dv,), acc)
             den = T.alloc_buffer((1,), acc)
             _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
-            if columns:
-                _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk,
-                         acc)
-            else:
-                _vecmat(kC, ka, C, b, h, dk, dv, "kC")
-                _vecdot(km, ka, m, b, h, dk, "km")
-                _update_outer(G, g, ka, kC, b, h, dk, dv, "G")
-                _update_outer(C, g, qa, va, b, h, dk, dv, "C")
-                _update_outer(S, g, ka, ka, b, h, dk, dk, "S")
-                _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
-                _update_axpy(m, g, qa, _c(1), b, h, dk, "m")
-                for l, i in T.grid(dk, dk):
-                    with T.sblock("u"):     # u = (S + lI) q  (S symmetric)
-                        vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
-                        with T.init():
-                            u[vi] = _c(ridge) * qa[vi]
-                        u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
-                for i, j in T.grid(dk, dv):
-                    with T.sblock("num"):   # u^T C - q^T G
-                        vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
-                        with T.init():
-                            num[vj] = _c(0)
-                        num[vj] = num[vj] + u[vi] * C[vb, vh, vi, vj] \
-                            - _c(mk) * qa[vi] * G[vb, vh, vi, vj]
+            step(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc)
             for i in T.serial(dk):
                 with T.sblock("den"):   # u.m - q.h (eps added by _write_token)
                     vb, vh, vi = T.axis.remap("SSR", [b, h, i])
@@ -127,6 +105,83 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             _write_token(o, num, den, b, h, dv, normalize, eps)
 
     return hla2_decay_decode
+
+@T.macro
+def _rows(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc):
+    """`decode`'s step on a CPU between loading the token and the denominator: S, C, G, h, m
+    advanced in place row by row, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
+    qk = T.alloc_buffer((1,), acc)
+    uq = T.alloc_buffer((1,), acc)
+    uC = T.alloc_buffer((dv,), acc)
+    qG = T.alloc_buffer((dv,), acc)
+    for i in T.serial(dk):
+        with T.sblock("qk"):
+            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+            with T.init():
+                qk[0] = const(0, acc)
+            qk[0] = qk[0] + qa[vi] * ka[vi]
+    _vecdot(km, ka, m, b, h, dk, "km")
+    for l in T.serial(dk):
+        for i in T.serial(dk):
+            with T.sblock("S"):
+                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
+                vb, vh, vl, vi = T.axis.remap("SSSS", [b, h, l, i])
+                with T.init():
+                    S[vb, vh, vl, vi] = S[vb, vh, vl, vi]
+                S[vb, vh, vl, vi] = g[vh] * S[vb, vh, vl, vi] + ka[vl] * ka[vi]
+        for i in T.serial(dk):
+            with T.sblock("u"):   # S symmetric: u = (S_new + lI) q summed over its rows
+                vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
+                with T.init():
+                    u[vi] = const(ridge, acc) * qa[vi]
+                u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
+    for i in T.serial(dk):
+        with T.sblock("uq"):
+            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
+            with T.init():
+                uq[0] = const(0, acc)
+            uq[0] = uq[0] + u[vi] * qa[vi]
+    for i in T.serial(dk):
+        for j in T.serial(dv):
+            with T.sblock("kC"):
+                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+                with T.init():
+                    kC[vj] = const(0, acc)
+                kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
+        for j in T.serial(dv):
+            with T.sblock("uC"):
+                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+                with T.init():
+                    uC[vj] = const(0, acc)
+                uC[vj] = uC[vj] + u[vi] * C[vb, vh, vi, vj]
+        for j in T.serial(dv):
+            with T.sblock("C"):
+                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
+                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+                with T.init():
+                    C[vb, vh, vi, vj] = C[vb, vh, vi, vj]
+                C[vb, vh, vi, vj] = g[vh] * C[vb, vh, vi, vj] + qa[vi] * va[vj]
+    for i in T.serial(dk):
+        for j in T.serial(dv):
+            with T.sblock("qG"):
+                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
+                with T.init():
+                    qG[vj] = const(0, acc)
+                qG[vj] = qG[vj] + qa[vi] * G[vb, vh, vi, vj]
+        for j in T.serial(dv):
+            with T.sblock("G"):
+                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
+                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+                with T.init():
+                    G[vb, vh, vi, vj] = G[vb, vh, vi, vj]
+                G[vb, vh, vi, vj] = g[vh] * G[vb, vh, vi, vj] + ka[vi] * kC[vj]
+    for j in T.serial(dv):
+        with T.sblock("num"):
+            vb, vh, vj = T.axis.remap("SSS", [b, h, j])
+            num[vj] = g[vh] * uC[vj] + uq[0] * va[vj] \
+                - const(mk, acc) * (g[vh] * qG[vj] + qk[0] * kC[vj])
+    _update_axpy(h_, g, ka, km[0], b, h, dk, "h")
+    _update_axpy(m, g, qa, const(1, acc), b, h, dk, "m")
 
 
 @T.macro
