@@ -3,7 +3,9 @@ a call path as thin as the compiled kernel; `init_state(...)`: the zero state it
 
 Everything that depends only on shapes, dtypes and options (argument checks, the kernel, the
 decay vector) is worked out once and kept in a plan keyed by them, so a call costs a dictionary
-lookup, a check of each state tensor's shape, dtype and layout, and the kernel."""
+lookup, a comparison of the state tensors' addresses with those of the last state that passed
+the full check (shapes, dtypes, layout, alignment, no overlap: run again where they differ; the
+compiled function checks shapes, dtypes and layout at every call), and the kernel."""
 from __future__ import annotations
 
 import operator
@@ -116,7 +118,7 @@ class _Plan:
 
     def check_state(self, state):
         """The state's tensors in kernel order; ValueError/TypeError naming the entry."""
-        if type(state) is not dict or len(state) != len(self.names):
+        if not isinstance(state, dict) or len(state) != len(self.names):
             if not isinstance(state, dict):
                 raise TypeError(f"state must be a dict of tensors {list(self.names)}, got "
                                 f"{type(state).__name__}")
@@ -125,7 +127,7 @@ class _Plan:
         out = []
         for name, shape in zip(self.names, self.shapes):
             x = state.get(name)
-            if type(x) is not torch.Tensor or x.shape != shape or x.dtype != self.acc or \
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != self.acc or \
                     not x.is_contiguous() or x.device != self.device or x.data_ptr() % ALIGN:
                 self._explain(name, x, shape)
             out.append(x)
@@ -309,7 +311,7 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     if plan.ndim == 3:
         q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)
     if out is None:   # (empty_like costs a third of empty with a shape, dtype and device)
-        o = torch.empty_like(q) if plan.like_q else \
+        o = torch.empty_like(q) if plan.like_q and type(q) is torch.Tensor else \
             torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     else:
         o = (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) \
