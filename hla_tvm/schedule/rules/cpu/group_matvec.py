@@ -8,9 +8,9 @@ Loops: parallel(n_outer), batch.., g, then the group's sum (k, n_inner) beside t
 accumulation (n_inner): a column tile of the one-row tile's width (`matmul_tiles.tile_shape`,
 the weights' panel width) keeps its partial sums and its accumulators in vector registers, so
 each weight is read and converted once and multiplied by no scale (one multiply-add a group and
-column does that). Several batch entries run `matmul_tiles.BATCH_ROWS` at a time (the tile's
-rows, unrolled inside k): one conversion of a weight serves them. An int4 weight's sum runs by
-row pairs, unrolled, so one byte load feeds both nibbles. Speed:
+column does that). Several batch entries (int8) run `matmul_tiles.BATCH_ROWS` at a time (the
+tile's rows, unrolled inside k): one conversion of a weight serves them. An int4 weight's sum
+runs by row pairs, unrolled, so one byte load feeds both nibbles. Speed:
 docs/cpu_schedules.md."""
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ def schedule(sch, lanes):
     entries = joint_extent(sch, lead)
     rows = None
     pairs = reads_pairs(sch.get(part))
-    # batch entries: BATCH_ROWS at a time, sharing each weight's conversion (int4, by row
-    # pairs too: K 768 x N 3072, 2 workers, one entry 0.092 -> 0.096 ms, two 0.180 -> 0.067,
-    # eight 0.396 -> 0.271; K 768 x N 8192: 0.238 -> 0.137, 0.241 -> 0.175, 0.937 -> 0.685)
-    if entries is None or entries > 1:
+    # batch entries: BATCH_ROWS at a time, sharing each weight's conversion; int4 keeps one at
+    # a time: with two, the 120 M model's int4 step took 4.74 against 3.56 ms for one entry
+    # (the predicated second row), for 16.7 against 21.1 ms with eight (docs/cpu_schedules.md)
+    if not pairs and (entries is None or entries > 1):
         bo, rows = sch.split(sch.fuse(*lead), factors=[None, BATCH_ROWS])
         lead = [bo]
         sch.reorder(no, bo, g, rows, ni)
