@@ -95,8 +95,9 @@ def test_generated_source_builds_device_code_for_sm80_and_sm90():
 
     funcs = {}
     for fam in FAMILIES:
-        for chain in _chains(fam):
-            funcs.update(chains.kernels(chain, 64, 64, chunk=32, **_opts(fam)))
+        for chain in _chains(fam):   # (decode as GPUs run it: `chains.gpu_options`)
+            funcs.update(chains.kernels(chain, 64, 64, chunk=32, **_opts(fam),
+                                        **chains.gpu_options(chain)))
     target = resolve("cuda")
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
     source = cuda_source(tvm.compile(schedule_module(mod, target), target=target))
