@@ -91,6 +91,13 @@ def schedule(sch, lanes):
     if pairs:
         pk, pair = sch.split(pk, factors=[None, 2])
         sch.unroll(pair)
+        # the column loops of the sums vectorized here: after the reductions' inits are split
+        # off the primitive refuses them, and LLVM's own vectorizer did less (the 120 M model's
+        # int4 step: docs/cpu_schedules.md)
+        for blk in (part, out):
+            inner = sch.get_loops(blk)[-1]
+            if static_extent(sch, inner) == cols:
+                sch.vectorize(inner)
     sch.decompose_reduction(part, pk)
     sch.decompose_reduction(out, g)
     for b in sch.get_child_blocks(lead[-1]):   # the column loops the primitive takes
