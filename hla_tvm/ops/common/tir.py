@@ -194,15 +194,22 @@ def load_token(qa, ka, va, q, k, v, b, h, dk, dv, group):
 
 
 @T.macro
-def update_outer(X, g, a, bv, b, h, rows, cols, name):
-    """X[b, h] = g[h] X[b, h] + a bv^T, in place."""
-    for i, j in T.grid(rows, cols):
+def update_row(X, g, a, bv, b, h, i, cols, name):
+    """Row i of X[b, h] = g[h] X[b, h] + a bv^T, in place."""
+    for j in T.serial(cols):
         with T.sblock(name):
             vu = T.axis.reduce(1, 0)   # in place (see the note at the top)
             vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
             with T.init():
                 X[vb, vh, vi, vj] = X[vb, vh, vi, vj]
             X[vb, vh, vi, vj] = g[vh] * X[vb, vh, vi, vj] + a[vi] * bv[vj]
+
+
+@T.macro
+def update_outer(X, g, a, bv, b, h, rows, cols, name):
+    """X[b, h] = g[h] X[b, h] + a bv^T, in place."""
+    for i in T.serial(rows):
+        update_row(X, g, a, bv, b, h, i, cols, name)
 
 
 @T.macro
@@ -218,14 +225,21 @@ def update_axpy(X, g, a, scale, b, h, rows, name):
 
 
 @T.macro
-def vecmat(y, x, X, b, h, rows, cols, name):
-    """y[j] = sum_i x[i] X[b, h, i, j]."""
-    for i, j in T.grid(rows, cols):
+def vecmat_row(y, x, X, b, h, i, cols, name):
+    """Row i's share of y[j] = sum_i x[i] X[b, h, i, j] (y = 0 before row 0)."""
+    for j in T.serial(cols):
         with T.sblock(name):
             vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
             with T.init():
                 y[vj] = const(0, y.dtype)
             y[vj] = y[vj] + x[vi] * X[vb, vh, vi, vj]
+
+
+@T.macro
+def vecmat(y, x, X, b, h, rows, cols, name):
+    """y[j] = sum_i x[i] X[b, h, i, j]."""
+    for i in T.serial(rows):
+        vecmat_row(y, x, X, b, h, i, cols, name)
 
 
 @T.macro

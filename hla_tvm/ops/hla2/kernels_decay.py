@@ -46,7 +46,9 @@ from ..common.tir import (
     stage as _stage,
     transpose as _transpose,
     update_axpy as _update_axpy,
+    update_row as _update_row,
     vecdot as _vecdot,
+    vecmat_row as _vecmat_row,
     write_token as _write_token,
 )
 
@@ -94,8 +96,15 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
             u = T.alloc_buffer((dk,), acc)
             num = T.alloc_buffer((dv,), acc)
             den = T.alloc_buffer((1,), acc)
+            qk = T.alloc_buffer((1,), acc)
+            uq = T.alloc_buffer((1,), acc)
+            uC = T.alloc_buffer((dv,), acc)
+            qG = T.alloc_buffer((dv,), acc)
             _load_token(qa, ka, va, q, k, v, b, h, dk, dv, group)
-            step(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc)
+            _dot(qk, qa, ka, b, h, dk, "qk")
+            _vecdot(km, ka, m, b, h, dk, "km")
+            step(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, qk, uq, uC, qG, b, h, dk, dv,
+                 ridge, mk, acc)
             for i in T.serial(dk):
                 with T.sblock("den"):   # u.m - q.h (eps added by _write_token)
                     vb, vh, vi = T.axis.remap("SSR", [b, h, i])
@@ -107,74 +116,37 @@ def decode(dk: int, dv: int, *, masked=True, normalize=False, eps=1e-6, ridge=0.
     return hla2_decay_decode
 
 @T.macro
-def _rows(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc):
-    """`decode`'s step on a CPU between loading the token and the denominator: S, C, G, h, m
-    advanced in place row by row, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
-    qk = T.alloc_buffer((1,), acc)
-    uq = T.alloc_buffer((1,), acc)
-    uC = T.alloc_buffer((dv,), acc)
-    qG = T.alloc_buffer((dv,), acc)
-    for i in T.serial(dk):
-        with T.sblock("qk"):
+def _dot(out, x, y, b, h, n, name):
+    """out[0] = x.y (vectors of n)."""
+    for i in T.serial(n):
+        with T.sblock(name):
             vb, vh, vi = T.axis.remap("SSR", [b, h, i])
             with T.init():
-                qk[0] = const(0, acc)
-            qk[0] = qk[0] + qa[vi] * ka[vi]
-    _vecdot(km, ka, m, b, h, dk, "km")
+                out[0] = const(0, out.dtype)
+            out[0] = out[0] + x[vi] * y[vi]
+
+
+@T.macro
+def _rows(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, qk, uq, uC, qG, b, h, dk, dv,
+          ridge, mk, acc):
+    """`decode`'s step on a CPU after q.k and k.m, before the denominator: S, C, G, h, m
+    advanced in place row by row, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
     for l in T.serial(dk):
-        for i in T.serial(dk):
-            with T.sblock("S"):
-                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
-                vb, vh, vl, vi = T.axis.remap("SSSS", [b, h, l, i])
-                with T.init():
-                    S[vb, vh, vl, vi] = S[vb, vh, vl, vi]
-                S[vb, vh, vl, vi] = g[vh] * S[vb, vh, vl, vi] + ka[vl] * ka[vi]
+        _update_row(S, g, ka, ka, b, h, l, dk, "S")
         for i in T.serial(dk):
             with T.sblock("u"):   # S symmetric: u = (S_new + lI) q summed over its rows
                 vb, vh, vl, vi = T.axis.remap("SSRS", [b, h, l, i])
                 with T.init():
                     u[vi] = const(ridge, acc) * qa[vi]
                 u[vi] = u[vi] + S[vb, vh, vl, vi] * qa[vl]
-    for i in T.serial(dk):
-        with T.sblock("uq"):
-            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-            with T.init():
-                uq[0] = const(0, acc)
-            uq[0] = uq[0] + u[vi] * qa[vi]
-    for i in T.serial(dk):
-        for j in T.serial(dv):
-            with T.sblock("kC"):
-                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
-                with T.init():
-                    kC[vj] = const(0, acc)
-                kC[vj] = kC[vj] + ka[vi] * C[vb, vh, vi, vj]
-        for j in T.serial(dv):
-            with T.sblock("uC"):
-                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
-                with T.init():
-                    uC[vj] = const(0, acc)
-                uC[vj] = uC[vj] + u[vi] * C[vb, vh, vi, vj]
-        for j in T.serial(dv):
-            with T.sblock("C"):
-                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
-                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                with T.init():
-                    C[vb, vh, vi, vj] = C[vb, vh, vi, vj]
-                C[vb, vh, vi, vj] = g[vh] * C[vb, vh, vi, vj] + qa[vi] * va[vj]
-    for i in T.serial(dk):
-        for j in T.serial(dv):
-            with T.sblock("qG"):
-                vb, vh, vi, vj = T.axis.remap("SSRS", [b, h, i, j])
-                with T.init():
-                    qG[vj] = const(0, acc)
-                qG[vj] = qG[vj] + qa[vi] * G[vb, vh, vi, vj]
-        for j in T.serial(dv):
-            with T.sblock("G"):
-                vu = T.axis.reduce(1, 0)   # in place (_tir's note)
-                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                with T.init():
-                    G[vb, vh, vi, vj] = G[vb, vh, vi, vj]
-                G[vb, vh, vi, vj] = g[vh] * G[vb, vh, vi, vj] + ka[vi] * kC[vj]
+    _dot(uq, u, qa, b, h, dk, "uq")
+    for i in T.serial(dk):   # C's rows: k^T C and u^T C summed, then the row advanced
+        _vecmat_row(kC, ka, C, b, h, i, dv, "kC")
+        _vecmat_row(uC, u, C, b, h, i, dv, "uC")
+        _update_row(C, g, qa, va, b, h, i, dv, "C")
+    for i in T.serial(dk):   # G's rows: q^T G summed, then the row advanced with k^T C
+        _vecmat_row(qG, qa, G, b, h, i, dv, "qG")
+        _update_row(G, g, ka, kC, b, h, i, dv, "G")
     for j in T.serial(dv):
         with T.sblock("num"):
             vb, vh, vj = T.axis.remap("SSS", [b, h, j])
@@ -185,20 +157,10 @@ def _rows(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk
 
 
 @T.macro
-def _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge, mk, acc):
-    """`decode`'s columns=True step between loading the token and the denominator: S, C, G,
-    h, m advanced in place, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
-    qk = T.alloc_buffer((1,), acc)
-    uq = T.alloc_buffer((1,), acc)
-    uC = T.alloc_buffer((dv,), acc)
-    qG = T.alloc_buffer((dv,), acc)
-    for i in T.serial(dk):
-        with T.sblock("qk"):
-            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-            with T.init():
-                qk[0] = const(0, acc)
-            qk[0] = qk[0] + qa[vi] * ka[vi]
-    _vecdot(km, ka, m, b, h, dk, "km")
+def _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, qk, uq, uC, qG, b, h, dk, dv,
+             ridge, mk, acc):
+    """`decode`'s columns=True step after q.k and k.m, before the denominator: S, C, G, h, m
+    advanced in place, u = (S_new + lI) q, num = u^T C_new - q^T G_new."""
     for i in T.serial(dk):
         with T.sblock("S_col"):   # S symmetric: column i is row i
             vu = T.axis.reduce(1, 0)   # in place (_tir's note)
@@ -210,12 +172,7 @@ def _columns(qa, ka, va, g, S, C, m, G, h_, kC, km, u, num, b, h, dk, dv, ridge,
                 u[vi] = u[vi] + S[vb, vh, l, vi] * qa[l]
                 S[vb, vh, l, vi] = g[vh] * S[vb, vh, l, vi] + ka[l] * ka[vi]
             u[vi] = g[vh] * u[vi] + ka[vi] * qk[0] + const(ridge, acc) * qa[vi]
-    for i in T.serial(dk):
-        with T.sblock("uq"):
-            vb, vh, vi = T.axis.remap("SSR", [b, h, i])
-            with T.init():
-                uq[0] = const(0, acc)
-            uq[0] = uq[0] + u[vi] * qa[vi]
+    _dot(uq, u, qa, b, h, dk, "uq")
     for j in T.serial(dv):
         with T.sblock("CG_col"):
             vu = T.axis.reduce(1, 0)   # in place (_tir's note)
