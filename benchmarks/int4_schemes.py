@@ -22,6 +22,7 @@ from torch import nn
 from hla_tvm.cli.demo import SHIPPED
 from hla_tvm.cli.evaluate import TorchLM, evaluate, held_out_bytes
 from hla_tvm.models.source import load
+from hla_tvm.quant.scheme import dequantize, quantize, scheme
 
 
 def _groups(w, g):
@@ -30,10 +31,8 @@ def _groups(w, g):
 
 
 def sym7(w, g):
-    G = _groups(w, g)
-    s = np.abs(G).max(1, keepdims=True) / 7
-    s[s == 0] = 1
-    return (np.clip(np.rint(G / s), -7, 7) * s).reshape(w.shape)
+    sch = scheme("int4", g)   # (the stored scheme itself: packed, then unpacked)
+    return dequantize(sch, quantize(sch, w))
 
 
 def sym8(w, g):
