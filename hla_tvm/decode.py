@@ -316,7 +316,6 @@ def decode_(q, k, v, state, *, order=2, asymmetric=False, masked=True, normalize
     else:
         o = (out if out.dim() == 4 else out.unsqueeze(2)) if isinstance(out, torch.Tensor) \
             else out
-    if out is not None:
         if o.data_ptr() % ALIGN:
             plan.check_out(out)
         plan.check_apart(st, o)

@@ -464,8 +464,10 @@ class CompiledModel:
         the last position alone, [B, ...], when `last` (copied alone from the device)."""
         vm = self._vm()
         batch = tokens.shape[0]
-        again = self._issued(state, batch) is not None   # (then every view is ours)
-        state, views = self._check_state(state, batch)
+        issued = self._issued(state, batch)
+        again = issued is not None   # (then every view is ours)
+        state, views = (list(issued), list(state)) if again else \
+            self._check_state(state, batch)
         if self.on_gpu:   # the module's inputs live on its device
             tokens = self._tvm.runtime.tensor(tokens, self.device)
         else:   # (numpy allocates 16-byte aligned: 8 int64 token ids crashed a decode step)
@@ -557,12 +559,11 @@ def aligned_array(a, scratch=None):
         return out
     if a.flags.c_contiguous and a.__array_interface__["data"][0] % ALIGN == 0:
         return a
-    if out is None or out.shape != a.shape or out.dtype != a.dtype:
-        raw = np.empty(a.nbytes + ALIGN, dtype=np.uint8)
-        start = -raw.__array_interface__["data"][0] % ALIGN
-        out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-        if scratch is not None:
-            scratch.aligned = out
+    raw = np.empty(a.nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.__array_interface__["data"][0] % ALIGN
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    if scratch is not None:
+        scratch.aligned = out
     out[...] = a
     return out
 
