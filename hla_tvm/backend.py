@@ -47,8 +47,7 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
     record use its schedule, the others the default one."""
     from .schedule.tuning import records
 
-    if target.kind.name == "cuda":
-        opts = {**opts, **chains.gpu_options(chain)}
+    opts = {**opts, **chains.target_options(chain, target, opts.get("dtype"))}
     phase = "decode" if chain.calls[0].kernel == "decode" else "prefill"
     spec = {"kind": f"{chain.family}_{phase}", "dk": dk, "dv": dv, **opts}
     if chunk is not None:

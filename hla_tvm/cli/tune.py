@@ -112,7 +112,7 @@ def main(args):
             raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
         kernels, what = tune.operator_kernels(
             op, decayed=args.decay, dk=args.dk, dv=args.dv or args.dk, chunk=args.chunk_size,
-            group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype),
+            group=args.heads // args.kv_heads, dtype=getattr(torch, args.dtype), target=target,
             **op.options(masked=True, normalize=args.normalize, eps=1e-6, ridge=0.0)), args.op
     out = args.output or os.path.join(records.user_root(), records.target_folder(target))
     print(f"tuning {len(kernels)} kernels of {what} for {records.target_folder(target)} "

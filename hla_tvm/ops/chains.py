@@ -87,6 +87,22 @@ def gpu_options(chain):
         else {}
 
 
+def target_options(chain, target, dtype):
+    """Kernel options `chain` takes on `target` (a tvm Target) for inputs of `dtype` (a dtype
+    name), beyond the operator's: on GPUs its family's decode options there (`gpu_options`);
+    on CPUs with AVX512-BF16, bfloat16 inputs' products on vdpbf16ps in a family's prefill
+    that has them (`Family.bf16_products`)."""
+    if target.kind.name == "cuda":
+        return gpu_options(chain)
+    if dtype == "bfloat16" and chain.calls[0].kernel != "decode" and \
+            FAMILIES[chain.family].bf16_products:
+        from .common.pairs import available
+
+        if available(target):
+            return {"bf16_products": True}
+    return {}
+
+
 def prefill(fam):
     """The chunked prefill chain of kernel family `fam`."""
     return Chain(fam, FAMILIES[fam].prefill)
@@ -195,10 +211,12 @@ def _make_kernel(chain, call, dk, dv, *, chunk, dtype, group=1, **opts):
                                group=1 if call.kv else group, decayed="gl" in call.reads)
     if call.kernel == "decode":
         return kmod.decode(dk, dv, dtype=dtype, group=group, **opts)
+    # (a family's products of two bfloat16 inputs: its ksummary's K^T K, `Family.bf16_products`)
+    pairs = {"bf16_products": opts.pop("bf16_products")} if "bf16_products" in opts else {}
     if call.kernel == "ksummary":
         if "v" in call.reads:
-            return kmod.chunk_ksummary(dk, dv, chunk, dtype=dtype)
-        return kmod.chunk_ksummary(dk, chunk, dtype=dtype)
+            return kmod.chunk_ksummary(dk, dv, chunk, dtype=dtype, **pairs)
+        return kmod.chunk_ksummary(dk, chunk, dtype=dtype, **pairs)
     if call.kernel == "summary":
         return kmod.chunk_summary(dk, dv, chunk, dtype=dtype, group=group)
     if call.kernel == "carry":

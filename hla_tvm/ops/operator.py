@@ -86,6 +86,9 @@ class Family:
     prefill: tuple
     kernels: str            # module path of its kernel builders
     gpu_options: dict = field(default_factory=dict)   # decode options on GPUs
+    # its prefill kernels take bf16_products (`ops.common.pairs`), run where a CPU has
+    # AVX512-BF16 (`chains.target_options`)
+    bf16_products: bool = False
 
     def __hash__(self):
         return hash(self.name)

@@ -21,7 +21,8 @@ OPERATOR = Operator(
               "decode": "hla2_decay"})
 
 FAMILIES = (
-    Family("hla2", "hla2", chain.PREFILL, f"{__name__}.kernels"),
+    # on CPUs with AVX512-BF16, bfloat16 inputs' products run on vdpbf16ps (`bf16_products`)
+    Family("hla2", "hla2", chain.PREFILL, f"{__name__}.kernels", bf16_products=True),
     # its decode reads each state element once: row by row on CPUs, a column a thread on GPUs
     # (`kernels_decay.decode(columns=True)`)
     Family("hla2_decay", "hla2", chain.PREFILL_DECAY, f"{__name__}.kernels_decay",

@@ -24,6 +24,7 @@ import functools
 
 from tvm.script import tirx as T
 
+from ..common import pairs
 from ..common.tir import (
     accum_dtype,
     const,
@@ -34,10 +35,18 @@ from ..common.tir import (
 )
 
 
-def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
+def _pairs(bf16_products, dtype, *sizes):
+    """Whether a kernel runs its input products over bfloat16 pairs: asked for, inputs in
+    bfloat16 (whose values the pairs hold exactly) and every reduction length even."""
+    return bool(bf16_products) and dtype == "bfloat16" and all(x % 2 == 0 for x in sizes)
+
+
+def chunk_ksummary(dk: int, n: int, *, dtype="float32", bf16_products=False):
     """Per chunk c (rows c*n .. c*n+n-1, zero past T): dS = K^T K.
-    Shapes: k [B, H, T, dk] (H: the key/value heads), dS [B, H, NC, dk, dk]."""
+    Shapes: k [B, H, T, dk] (H: the key/value heads), dS [B, H, NC, dk, dk].
+    bf16_products: K^T K over pairs of tokens (`ops.common.pairs`; bfloat16 inputs)."""
     io, acc = dtype, accum_dtype(dtype)
+    pairs_ok = _pairs(bf16_products, dtype, n)
 
     @T.prim_func(s_tir=True)
     def hla2_chunk_ksummary(k_h: T.handle, dS_h: T.handle):
@@ -48,9 +57,17 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32"):
         k = T.match_buffer(k_h, (B, H, L, dk), io)
         dS = T.match_buffer(dS_h, (B, H, NC, dk, dk), acc)
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
+        if pairs_ok:
+            Kp = T.sblock_alloc_buffer((B, H, NC, n // 2, dk), "uint32")
+            Kq = T.sblock_alloc_buffer((B, H, NC, n // 2, dk), "uint32")   # (a second operand)
         for b, hh, c in T.grid(B, H, NC):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
-            _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
+            if pairs_ok:
+                pairs.pack(Kp, Kc, b, hh, c, n // 2, dk, True, "Kp")
+                pairs.pack(Kq, Kc, b, hh, c, n // 2, dk, True, "Kq")
+                pairs.matmul(dS, Kp, Kq, b, hh, c, dk, dk, n // 2, "dS")
+            else:
+                _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")
 
     return hla2_chunk_ksummary
 

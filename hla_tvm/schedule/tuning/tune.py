@@ -542,9 +542,10 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     return report
 
 
-def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
+def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, target=None, **opts):
     """`tuning_kernels` of operator `op`'s prefill and decode chains (an `ops.Operator`;
-    opts: its `options`, dtype a torch dtype)."""
+    opts: its `options`, dtype a torch dtype) as they run on `target` (a tvm Target; None: the
+    kernels without target options, `chains.target_options`)."""
     from ...ops import chains
     from ...validate import chunk_size
     from .records import tuning_kernels
@@ -552,8 +553,11 @@ def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, **opts):
     chunk = chunk_size(chunk, name="chunk", instead="a larger chunk's records could serve no "
                        "call")
     kw = chains.kernel_options(dtype, **opts)
-    fam = chains.family(op.name, decayed=decayed, decode=False)
-    out = tuning_kernels(chains.prefill(fam), dk, dv, chunk=chunk, group=group, **kw)
-    fam = chains.family(op.name, decayed=decayed, decode=True)
-    out.update(tuning_kernels(chains.decode(fam), dk, dv, group=group, **kw))
+    out = {}
+    for decode in (False, True):
+        fam = chains.family(op.name, decayed=decayed, decode=decode)
+        chain = chains.decode(fam) if decode else chains.prefill(fam)
+        on = {} if target is None else chains.target_options(chain, target, kw["dtype"])
+        out.update(tuning_kernels(chain, dk, dv, chunk=None if decode else chunk, group=group,
+                                  **kw, **on))
     return out

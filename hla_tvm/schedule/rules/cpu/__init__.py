@@ -12,7 +12,7 @@ returns a schedule, or None for a function it does not take):
 every compiled model that holds the same kernel share one scheduling)."""
 from ...common import ScheduledOnce
 from .group_matvec import GroupMatvec  # noqa: F401
-from .hla_kernels import HLAKernels, lanes, schedule  # noqa: F401
+from .hla_kernels import HLAKernels, lanes, schedule, vector_isa  # noqa: F401
 from .matmul_tiles import MatmulTiles  # noqa: F401
 from .parallel_fallback import ParallelFallback  # noqa: F401
 from .serial_small import SerialSmall  # noqa: F401
@@ -22,6 +22,6 @@ _SCHEDULED = ScheduledOnce()
 
 def scheduled(func, target=None):
     """`func` (a PrimFunc) with `HLAKernels` applied for `target`. Kernels equal up to their
-    global_symbol are scheduled once per process and vector width."""
-    return _SCHEDULED.get(func, lanes(target),
+    global_symbol are scheduled once per process and vector ISA (`vector_isa`)."""
+    return _SCHEDULED.get(func, vector_isa(target),
                           lambda plain: HLAKernels().apply(plain, target, False).mod["main"])

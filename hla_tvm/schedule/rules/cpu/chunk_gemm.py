@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import tvm
 
+from ....ops.common.pairs import PAIR_PRODUCT
 from ...common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, writes_alone
+from . import bf16_dot as bf16_dot_rule
 
 # accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the
 # rest hold the B row segment and the broadcast A element
@@ -79,7 +81,10 @@ def _read_before(sch, block, blocks):
     me = sch.get(block)
     mine = [r.source for r in me.writes]
     for other in blocks:
-        stmt = sch.get(other)
+        try:
+            stmt = sch.get(other)
+        except ValueError:   # a tensorized block (`bf16_dot`), replaced by its outer block
+            continue
         if stmt.same_as(me):
             return False
         if any(r.source.same_as(b) for r in stmt.reads for b in mine):
@@ -87,10 +92,13 @@ def _read_before(sch, block, blocks):
     return False
 
 
-def chunk_gemm(sch, func_name, lanes=8, tunable=False):
+def chunk_gemm(sch, func_name, lanes=8, tunable=False, bf16_dot=False):
     """Tile every GEMM-shaped block of `func_name` (see the module docstring); `lanes`: float32
     elements per vector register of the target. tunable: each tile's rows and columns are
-    sampled decisions (`tile_choices`) starting at the default `tile`, for meta_schedule."""
+    sampled decisions (`tile_choices`) starting at the default `tile`, for meta_schedule.
+    bf16_dot: the target has AVX512-BF16, and the pair products of `ops.common.pairs` (the
+    bfloat16 products of `bf16_products` kernels) run on its vdpbf16ps (`bf16_dot`); without it
+    they are vectorized as written."""
     blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
     for block in blocks:
         found = gemm_loops(sch, block)
@@ -104,6 +112,13 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False):
         if shape is None:
             continue
         rows_choices, cols_choices = tile_choices(ie, je, per_vector)
+        dot = bf16_dot and PAIR_PRODUCT in sch.get(block).annotations
+        if dot:   # vdpbf16ps pieces: whole ones
+            cols_choices = [c for c in cols_choices if c % bf16_dot_rule.LANES == 0]
+            if not cols_choices:
+                dot, cols_choices = False, tile_choices(ie, je, per_vector)[1]
+            elif shape[1] not in cols_choices:
+                shape = (shape[0], cols_choices[-1])
         rows = _factor(sch, rows_choices, shape[0], tunable)
         cols = _factor(sch, cols_choices, shape[1], tunable)
         io, ii = sch.split(i, factors=[None, rows])
@@ -116,5 +131,8 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False):
             sch.unroll(lp)
         sch.vectorize(ac)
         sch.unroll(ii)
+        if dot:
+            bf16_dot_rule.tensorize(sch, block, ji, r, io)
+            continue
         sch.vectorize(ji)
         sch.decompose_reduction(block, r)  # the init inherits the unrolled, vectorized loops

@@ -11,8 +11,8 @@ from ...common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, writes_
 def vectorize_inner(sch, func_name):
     for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
         loops = own_loops(sch, block)
-        if not loops or sch.get(loops[-1]).kind == ForKind.VECTORIZED:
-            continue  # no own loops, or already scheduled (chunk_gemm)
+        if not loops or sch.get(loops[-1]).kind in (ForKind.VECTORIZED, ForKind.UNROLLED):
+            continue  # no own loops, or already scheduled (chunk_gemm; tensorized: unrolled)
         kinds = loop_iter_types(sch, block, loops)
         spatial = [lp for lp, k in zip(loops, kinds) if k == DATA_PAR]
         reduce_ = [lp for lp, k in zip(loops, kinds) if k == COMM_REDUCE]
