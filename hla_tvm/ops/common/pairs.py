@@ -14,6 +14,8 @@ a register tile (16 x 2 products, float32 accumulation, one instruction). The su
 the float32 product of the same bfloat16 numbers up to float32 rounding order."""
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 # the block attribute that marks a pair product (`schedule.rules.cpu.chunk_gemm` tensorizes it)
@@ -23,10 +25,16 @@ FEATURE = "avx512bf16"   # the LLVM CPU feature of vdpbf16ps
 
 def available(target):
     """True when `target` (a tvm Target) is an LLVM CPU target with AVX512-BF16."""
-    from tvm.target import codegen
-
     if target is None or target.kind.name != "llvm":
         return False
+    return _has_feature(target)
+
+
+@functools.lru_cache(maxsize=64)
+def _has_feature(target):
+    """(LLVM's answer, 85 us a query: remembered per Target object)"""
+    from tvm.target import codegen
+
     try:
         return bool(codegen.target_has_features(FEATURE, target))
     except Exception:  # noqa: BLE001 - a target LLVM cannot query
