@@ -27,7 +27,7 @@ def test_pack_rounds_to_nearest_even():
     @T.prim_func(s_tir=True)
     def pack(x: T.Buffer((1, 1, 1, 64, 8), "float32"), p: T.Buffer((1, 1, 1, 32, 8), "uint32")):
         for b, h, c in T.grid(1, 1, 1):
-            pairs.pack(p, x, b, h, c, 32, 8, True, "p")
+            pairs.pack(p, x, b, h, c, 32, 8, "p")
 
     fn = tvm.compile(tvm.IRModule({"main": pack}), target=resolve(None))["main"]
     gen = torch.Generator().manual_seed(0)

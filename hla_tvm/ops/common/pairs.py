@@ -9,9 +9,9 @@ kernel's staged inputs) is written over pairs of the reduction axis:
 with bits(x) the bfloat16 nearest x (round to nearest even; exact for a bfloat16 input),
 lo(p) = the float32 of p's low half, hi(p) of its high half. Both operands are packed the same
 way, [pairs of the reduction, free axis], so one 64-byte row of B holds the pairs of 16 columns:
-the layout of VDPBF16PS, which `schedule.rules.cpu.bf16_dot` puts in for the sixteen columns of
-a register tile (16 x 2 products, float32 accumulation, one instruction). The sums are those of
-the float32 product of the same bfloat16 numbers up to float32 rounding order."""
+the layout of VDPBF16PS (16 x 2 products, float32 accumulation, one instruction), which
+`schedule.rules.cpu.bf16_dot` puts in for the 32 columns of a register tile. The sums are those
+of the float32 product of the same bfloat16 numbers up to float32 rounding order."""
 from __future__ import annotations
 
 import functools
@@ -59,25 +59,21 @@ def hi(p):
 
 
 @T.macro
-def pack(dst, src, b, hh, c, pairs, width, along_rows, name, group=1):
-    """dst[b, h, c, r2, x] = the bfloat16 pair (src[2 r2, x], src[2 r2 + 1, x]) of
-    src[b, h // group, c] (along_rows), or (src[x, 2 r2], src[x, 2 r2 + 1]) (along its
-    columns)."""
+def pack(dst, src, b, hh, c, pairs, width, name):
+    """dst[b, h, c, r2, x] = the bfloat16 pair (src[2 r2, x], src[2 r2 + 1, x]) of src[b, h, c]:
+    pairs of rows (a chunk's tokens)."""
     for r2, x in T.grid(pairs, width):
         with T.sblock(name):
             vb, vh, vc, vr, vx = T.axis.remap("SSSSS", [b, hh, c, r2, x])
-            if along_rows:
-                dst[vb, vh, vc, vr, vx] = bits(src[vb, vh // group, vc, 2 * vr, vx]) | \
-                    T.shift_left(bits(src[vb, vh // group, vc, 2 * vr + 1, vx]), T.uint32(16))
-            else:
-                dst[vb, vh, vc, vr, vx] = bits(src[vb, vh // group, vc, vx, 2 * vr]) | \
-                    T.shift_left(bits(src[vb, vh // group, vc, vx, 2 * vr + 1]), T.uint32(16))
+            dst[vb, vh, vc, vr, vx] = bits(src[vb, vh, vc, 2 * vr, vx]) | \
+                T.shift_left(bits(src[vb, vh, vc, 2 * vr + 1, vx]), T.uint32(16))
 
 
 @T.macro
-def matmul(dst, a, bm, b, hh, c, rows, cols, pairs, name, agroup=1, bgroup=1):
-    """dst[b, h, c, i, j] = sum over r2 of the pairs a[.., r2, i] . bm[.., r2, j] (`pack`ed, of
-    heads h // agroup and h // bgroup): the product over 2 pairs reduction elements."""
+def matmul(dst, a, bm, b, hh, c, rows, cols, pairs, name):
+    """dst[b, h, c, i, j] = sum over r2 of the pairs a[.., r2, i] . bm[.., r2, j] (`pack`ed):
+    the product over 2 pairs reduction elements. a and bm must be two buffers (the tensor
+    intrinsic matches three), even where they hold the same pairs."""
     for i, j, r in T.grid(rows, cols, pairs):
         with T.sblock(name):
             vb, vh, vc, vi, vj, vr = T.axis.remap("SSSSSR", [b, hh, c, i, j, r])
@@ -85,5 +81,5 @@ def matmul(dst, a, bm, b, hh, c, rows, cols, pairs, name, agroup=1, bgroup=1):
             with T.init():
                 dst[vb, vh, vc, vi, vj] = T.float32(0)
             dst[vb, vh, vc, vi, vj] = dst[vb, vh, vc, vi, vj] \
-                + lo(a[vb, vh // agroup, vc, vr, vi]) * lo(bm[vb, vh // bgroup, vc, vr, vj]) \
-                + hi(a[vb, vh // agroup, vc, vr, vi]) * hi(bm[vb, vh // bgroup, vc, vr, vj])
+                + lo(a[vb, vh, vc, vr, vi]) * lo(bm[vb, vh, vc, vr, vj]) \
+                + hi(a[vb, vh, vc, vr, vi]) * hi(bm[vb, vh, vc, vr, vj])

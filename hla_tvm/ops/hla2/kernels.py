@@ -59,12 +59,13 @@ def chunk_ksummary(dk: int, n: int, *, dtype="float32", bf16_products=False):
         Kc = T.sblock_alloc_buffer((B, H, NC, n, dk), acc)
         if pairs_ok:
             Kp = T.sblock_alloc_buffer((B, H, NC, n // 2, dk), "uint32")
-            Kq = T.sblock_alloc_buffer((B, H, NC, n // 2, dk), "uint32")   # (a second operand)
+            # (K^T K's second operand: the same pairs in a buffer of its own, `pairs.matmul`)
+            Kq = T.sblock_alloc_buffer((B, H, NC, n // 2, dk), "uint32")
         for b, hh, c in T.grid(B, H, NC):
             _stage(Kc, k, b, hh, c, n, dk, L, "Kc")
             if pairs_ok:
-                pairs.pack(Kp, Kc, b, hh, c, n // 2, dk, True, "Kp")
-                pairs.pack(Kq, Kc, b, hh, c, n // 2, dk, True, "Kq")
+                pairs.pack(Kp, Kc, b, hh, c, n // 2, dk, "Kp")
+                pairs.pack(Kq, Kc, b, hh, c, n // 2, dk, "Kq")
                 pairs.matmul(dS, Kp, Kq, b, hh, c, dk, dk, n // 2, "dS")
             else:
                 _matmul(dS, Kc, Kc, b, hh, c, dk, dk, n, True, "dS")

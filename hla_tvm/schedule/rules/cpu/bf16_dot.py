@@ -20,8 +20,7 @@ from tvm.script import tirx as T
 from ....ops.common.pairs import hi, lo
 
 INTRIN = "hla_tvm_dpbf16_32"
-LANES = 32   # two vdpbf16ps: the width of the float32 tiles (`chunk_gemm`), whose stack
-             # memory TVM may share with these
+LANES = 32   # two vdpbf16ps: chunk_gemm's default tile width on AVX-512 (two vectors)
 
 
 def _mask(start, count):
@@ -93,9 +92,9 @@ def register():
 
 def tensorize(sch, block, cols_loop, red_loop, outer_loop):
     """Finish the register tile of the pair product `block` (its columns `cols_loop`, a multiple
-    of 16, innermost; its reduction `red_loop`) with vdpbf16ps: the columns in 16-wide pieces
-    (the outer unrolled), the init split off in front of `red_loop` (vectorized), each piece
-    tensorized, and the intrinsic's LLVM function linked under `outer_loop`."""
+    of LANES, innermost; its reduction `red_loop`) with vdpbf16ps: the columns in LANES-wide
+    pieces (the outer unrolled), the init split off in front of `red_loop` (vectorized), each
+    piece tensorized, and the intrinsic's LLVM function linked under `outer_loop`."""
     register()
     outer, inner = sch.split(cols_loop, factors=[None, LANES])
     sch.unroll(outer)

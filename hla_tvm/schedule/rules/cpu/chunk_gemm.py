@@ -112,13 +112,12 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False, bf16_dot=False):
         if shape is None:
             continue
         rows_choices, cols_choices = tile_choices(ie, je, per_vector)
-        dot = bf16_dot and PAIR_PRODUCT in sch.get(block).annotations
-        if dot:   # vdpbf16ps pieces: whole ones
-            cols_choices = [c for c in cols_choices if c % bf16_dot_rule.LANES == 0]
-            if not cols_choices:
-                dot, cols_choices = False, tile_choices(ie, je, per_vector)[1]
-            elif shape[1] not in cols_choices:
-                shape = (shape[0], cols_choices[-1])
+        whole = [c for c in cols_choices if c % bf16_dot_rule.LANES == 0]   # vdpbf16ps pieces
+        dot = bf16_dot and PAIR_PRODUCT in sch.get(block).annotations and bool(whole)
+        if dot:
+            cols_choices = whole
+            if shape[1] not in whole:
+                shape = (shape[0], whole[-1])
         rows = _factor(sch, rows_choices, shape[0], tunable)
         cols = _factor(sch, cols_choices, shape[1], tunable)
         io, ii = sch.split(i, factors=[None, rows])
