@@ -98,3 +98,51 @@ def test_hla_bfloat16_against_float64():
     err = (out.double() - want).abs().max() / want.abs().max()
     assert float(err) <= 2e-2
     assert np.isfinite(out.float().numpy()).all()
+
+
+def test_records_that_tensorize_load_in_a_fresh_process(tmp_path):
+    """A records folder whose trace tensorizes with vdpbf16ps (a bfloat16 prefill tuned for an
+    AVX512-BF16 CPU) opens in a process that has scheduled nothing yet, and its trace replays:
+    meta_schedule parses every trace when it opens a database, which failed on the intrinsic
+    before it was registered."""
+    import os
+    import subprocess
+    import sys
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from hla_tvm import ops
+    from hla_tvm.schedule.tuning import records, tune
+
+    zen4 = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "znver4",
+                              "num-cores": 2})
+    op = ops.get(2, False)
+    kernels_at = tune.operator_kernels(op, decayed=False, dk=64, dv=64, chunk=64,
+                                       dtype=torch.bfloat16, target=zen4,
+                                       **op.options(masked=True, normalize=False, eps=1e-6,
+                                                    ridge=0.0))
+    name = next(n for n in kernels_at if "ksummary" in n)
+    wl = records.workload(*kernels_at[name])
+    sch = tune.default_schedule(wl, zen4)
+    assert "tensorize" in str(sch.trace)
+    db = ms.database.JSONDatabase(*(str(tmp_path / f) for f in records.FILES))
+    db.commit_tuning_record(ms.database.TuningRecord(
+        sch.trace, db.commit_workload(wl), [1e-3], zen4,
+        ms.arg_info.ArgInfo.from_prim_func(wl["main"])))
+    script = (
+        "import sys, torch, tvm; from hla_tvm import ops\n"
+        "from hla_tvm.schedule.tuning import records, tune\n"
+        "target = tvm.target.Target({'kind': 'llvm', 'mtriple': 'x86_64-linux-gnu', "
+        "'mcpu': 'znver4', 'num-cores': 2})\n"
+        "db = records.load(sys.argv[1])\n"
+        "op = ops.get(2, False)\n"
+        "ks = tune.operator_kernels(op, decayed=False, dk=64, dv=64, chunk=64, "
+        "dtype=torch.bfloat16, target=target, **op.options(masked=True, normalize=False, "
+        "eps=1e-6, ridge=0.0))\n"
+        f"func = records.tuned(*ks[{name!r}], db, target)\n"
+        "print('hla_tvm_dpbf16' in func.script())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

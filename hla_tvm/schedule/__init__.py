@@ -8,7 +8,9 @@
     common                   what the rules share
 
 `default_rules(target)` gives a kernel's default schedule for the target's kind;
-`schedule_module` applies it to every kernel not scheduled from a tuned record (`TUNED`)."""
+`schedule_module` applies it to every kernel not scheduled from a tuned record (`TUNED`);
+`register_intrinsics` registers the tensor intrinsics that the rules (and so the records'
+traces) name."""
 from __future__ import annotations
 
 TUNED = "hla_tvm.tuned"   # attribute of a function already scheduled from a tuned record
@@ -24,6 +26,16 @@ def default_rules(target):
     if rules is None:
         raise NotImplementedError(f"no default schedule for target kind {target.kind.name!r} yet")
     return rules
+
+
+def register_intrinsics():
+    """Register the project's TVM tensor intrinsics (`rules.cpu.bf16_dot`), once a process.
+    meta_schedule parses every trace of a records database when it opens one, and a trace that
+    tensorizes with an intrinsic not registered yet fails the whole database, so whatever opens
+    records calls this first."""
+    from .rules.cpu import bf16_dot
+
+    bf16_dot.register()
 
 
 def schedule_module(mod, target):

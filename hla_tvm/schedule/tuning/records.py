@@ -20,6 +20,7 @@ import os
 import threading
 import warnings
 
+from .. import register_intrinsics
 from ..shapes import TUNE_SHAPE, chain_shapes, specialize, tuning_kernels  # noqa: F401  (shapes.py)
 
 SHAPES_ATTR = "hla_tvm.tune_shapes"   # a model's kernel: its argument shapes at TUNE_SHAPE (JSON)
@@ -154,6 +155,7 @@ def load(path):
             return _DATABASES[key]
     workloads = _check_lines(os.path.join(path, FILES[0]), _check_workload)
     _check_lines(os.path.join(path, FILES[1]), lambda x: _check_record(x, workloads))
+    register_intrinsics()   # traces that tensorize name them
     try:
         db = ms.database.JSONDatabase(*(os.path.join(path, f) for f in FILES),
                                       allow_missing=False)

@@ -35,11 +35,15 @@ def _build(mod, target, _params):
 def _import_tensor_intrinsics():
     """Import `tvm.s_tir.tensor_intrin` (meta_schedule's TuneContext does, once a process) in
     seconds rather than 25 s: its hundreds of TVMScript functions each look at the stack, which
-    holds importlib's frozen frames during the import (`ops.common.script_frames`)."""
+    holds importlib's frozen frames during the import (`ops.common.script_frames`); and
+    register the project's own (`schedule.register_intrinsics`: the search database of a
+    folder tuned before holds traces that name them)."""
     from ...ops.common.script_frames import skip_module_scans
+    from .. import register_intrinsics
 
     skip_module_scans()
     import tvm.s_tir.tensor_intrin  # noqa: F401
+    register_intrinsics()
 
 
 def _export(compiler, mod):
