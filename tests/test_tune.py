@@ -59,7 +59,9 @@ def test_tune_writes_a_record_for_every_kernel(tuned_dir, capsys):
                                        **op.options(masked=True, normalize=False, eps=1e-6,
                                                     ridge=0.0))
     for name, (func, shapes) in kernels.items():
+        before = func.script()
         assert records.tuned(func, shapes, db, resolve(None)) is not None, name
+        assert func.script() == before, f"{name}: replaying its record changed the kernel"
 
 
 def test_kernels_from_records_match_the_serial_recurrence(tuned_dir):

@@ -257,15 +257,12 @@ def pick(kernels, db, target, *, quiet=(), path=None):
 def tuned(func, shapes, db, target):
     """`func` scheduled by its record in `db` (the trace replayed on the symbolic kernel), or
     None when `db` holds none for it."""
-    import tvm
-    from tvm import s_tir
 
     rec = db.query_tuning_record(workload(func, shapes), target, "main")
     if rec is None:
         return None
-    sch = s_tir.Schedule(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}))
     try:
-        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        return replay(func, rec.trace)
     except Exception as err:   # a record that does not fit this kernel: the default instead
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         name = func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs \
@@ -273,8 +270,25 @@ def tuned(func, shapes, db, target):
         warnings.warn(f"hla_tvm: the tuned record of {name} does not apply ({reason}); using "
                       "the default schedule")
         return None
-    out = sch.mod["main"]
-    return out.with_attr("global_symbol", func.attrs["global_symbol"]) \
-        if func.attrs and "global_symbol" in func.attrs else out
+
+
+def replay(func, trace):
+    """`func`, the kernel with symbolic batch, heads and length, scheduled by `trace` (a
+    record's, made on the kernel specialized to the tuning shape): the program a record gives
+    at run time. Its speed can differ from the specialized program's that the search timed (a
+    tile that divides the tuning length evenly meets a symbolic one), so the tuner compares
+    these. `func` itself is left as it was (`common.named_as`). Raises what the trace's replay
+    raises where it does not fit."""
+    import tvm
+    from tvm import s_tir
+
+    from ..common import named_as
+
+    def apply(plain):
+        sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
+        trace.apply_to_schedule(sch, remove_postproc=False)
+        return sch.mod["main"]
+
+    return named_as(func, apply)
 
 
