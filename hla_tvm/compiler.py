@@ -17,6 +17,7 @@ from torch import nn
 
 from . import validate
 from .runtime import META_FUNC, MODULE_FORMAT
+from .runtime.model import DECODE_ONE
 from .target import cross_compiler
 
 
@@ -102,7 +103,34 @@ def to_relax(model, *, max_batch=None, target=None):
             Decode(model, layout), (torch.zeros(rows, dtype=torch.int64), *st),
             dynamic_shapes=(_dims({0: batch}), state_dims))
         mods["decode"] = import_exported(ep)
-    return merge_entries(mods)
+    mod = merge_entries(mods)
+    if batch is not None:
+        mod = with_decode_one(mod)
+    return mod
+
+
+def entries(mod):
+    """The sorted names of the entries (prefill, decode, DECODE_ONE) the Relax module has: the
+    metadata's "entries", by which the runtime picks what to call."""
+    return sorted(gv.name_hint for gv in mod.get_global_vars()
+                  if gv.name_hint in ("decode", "prefill", DECODE_ONE))
+
+
+def with_decode_one(mod):
+    """`mod` with the entry DECODE_ONE: its decode with the batch fixed to 1, so that the VM
+    does no shape work for one stream's step (the kernels are shared with decode)."""
+    import tvm
+    from tvm.relax.utils import copy_with_new_vars
+
+    # (new variables: a variable defined in two functions fails Relax's FuseOps)
+    decode = copy_with_new_vars(mod["decode"])
+    batch = decode.params[0].ty.shape[0]
+    if not isinstance(batch, tvm.tirx.Var):
+        return mod
+    out = tvm.IRModule(dict(mod.functions))
+    one = decode.bind_symbolic_vars({batch: 1})
+    out[DECODE_ONE] = one.with_attr("global_symbol", DECODE_ONE)
+    return out
 
 
 def _dims(axes):
@@ -269,7 +297,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "weights_sha256": weights_digest(config, model.state_dict()),
             "quantize": None if sch is None else sch.as_meta(), **text}
     mod = to_relax(model, max_batch=max_batch, target=tgt)
-    meta["entries"] = ["decode", "prefill"]
+    meta["entries"] = entries(mod)
     return build(mod, meta, tgt, out, records_path)
 
 

@@ -22,6 +22,7 @@ FAST = {
     "test_scale_epilogue_keeps_values",
     "test_torch_tensors_in[hla2]",
     "test_decode_hands_back_the_arrays_it_advanced_in_place[hla2]",
+    "test_one_stream_steps_through_the_static_batch_entry[hla2]",
 }
 
 VOCAB = 40
@@ -55,6 +56,37 @@ def test_prefill_lengths_and_decode_match_pytorch(compiled, batch):
         logits, state = m.decode(tok, state)
         ref, ref_state = _torch_logits(model, tok[:, None], ref_state)
         assert rel_err(torch.from_numpy(logits), ref[:, 0]) <= 1e-4
+
+
+def test_one_stream_steps_through_the_static_batch_entry(compiled, monkeypatch):
+    """A module of symbolic batch carries DECODE_ONE, its decode with the batch fixed to 1 (no
+    shape work per call); the runtime calls it for one stream and the symbolic decode for
+    more, and both equal the float64 model along the same tokens."""
+    import copy
+
+    from hla_tvm.runtime.model import DECODE_ONE, CompiledModel
+
+    model, path = compiled
+    m = load(path)
+    assert DECODE_ONE in m.entries and "decode" in m.entries
+    called = []
+    run = CompiledModel._run
+    monkeypatch.setattr(CompiledModel, "_run",
+                        lambda self, entry, *a, **k: called.append(entry) or run(self, entry,
+                                                                                 *a, **k))
+    ref = copy.deepcopy(model).double()
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, VOCAB, (2, 9))
+    one, two = m.init_state(1), m.init_state(2)
+    want_one = want_two = None
+    for t in range(tokens.shape[1]):
+        step1, one = m.decode(tokens[:1, t], one)
+        step2, two = m.decode(tokens[:, t], two)
+        ref1, want_one = _torch_logits(ref, tokens[:1, t:t + 1], want_one)
+        ref2, want_two = _torch_logits(ref, tokens[:, t:t + 1], want_two)
+        assert rel_err(torch.from_numpy(step1), ref1[:, 0]) <= 1e-4
+        assert rel_err(torch.from_numpy(step2), ref2[:, 0]) <= 1e-4
+    assert set(called[0::2]) == {DECODE_ONE} and set(called[1::2]) == {"decode"}
 
 
 def test_decode_hands_back_the_arrays_it_advanced_in_place(compiled):

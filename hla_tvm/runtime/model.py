@@ -32,6 +32,7 @@ from .pool import (
 
 MODULE_FORMAT = "hla_tvm.module/1"
 META_FUNC = "hla_tvm_meta"
+DECODE_ONE = "decode_1"   # an entry: one stream's decode step with static shapes (batch 1)
 STATE_MODEL = "hla_tvm.model"   # a state file's entry: the digest of the model it belongs to
 # a state file's optional entry: token ids chosen but not fed yet (a served stream's last token),
 # which a continuation feeds first
@@ -457,7 +458,9 @@ class CompiledModel:
     def decode(self, tokens, state):
         """(logits [B, vocab] numpy, state) after one token per sequence, `tokens` [B]."""
         t = self._tokens(tokens, 1, "tokens")
-        return self._run("decode", t, state)
+        # one stream: the module's static-shape step where it has one (no shape work per call)
+        one = t.shape[0] == 1 and DECODE_ONE in self.entries
+        return self._run(DECODE_ONE if one else "decode", t, state)
 
     def _run(self, entry, tokens, state, last=False):
         """(logits numpy, new state) of `entry`; logits [B, T, ...] of a prefill are those of
