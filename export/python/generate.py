@@ -17,7 +17,8 @@ libcudart.so.13 beside it, in the `nvidia` pip packages or on the library path, 
 driver) and serving that device code to TVM when the module loads (no CUDA toolkit needed).
 
 The module's entry points: prefill(tokens [1, T] int64, *state) -> (logits [1, T, vocab],
-*state) for T >= 2, decode(tokens [1] int64, *state) -> (logits [1, vocab], *state), and
+*state) for T >= 2, decode(tokens [1] int64, *state) -> (logits [1, vocab], *state) (and
+decode_1, the same with the batch fixed to 1, which is used where the module has it), and
 hla_tvm_meta() -> the JSON metadata ("state": [[name, shape without batch, dtype], ...],
 "config": {"vocab": "bytes" for byte-level models, ...}, "tokenizer": the tokenizer.json text
 of a model compiled with --tokenizer, which --text then needs the `tokenizers` package for)."""
@@ -341,6 +342,7 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
     rng = np.random.default_rng(seed)
     state = [tensors.put(np.zeros((1, *shape), dtype=dtype)) for _, shape, dtype in meta["state"]]
     entries = meta.get("entries", ["prefill", "decode"])
+    step_entry = "decode_1" if "decode_1" in entries else "decode"   # one stream, static shapes
 
     def run(entry, tokens):
         nonlocal state
@@ -357,7 +359,7 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
             logits = run("prefill", np.array([prompt[start:end]], dtype=np.int64))
     else:
         for t in prompt:
-            logits = run("decode", np.array([t], dtype=np.int64))
+            logits = run(step_entry, np.array([t], dtype=np.int64))
     out = []
     for step in range(steps):
         if temperature > 0:
@@ -370,7 +372,7 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
         if on_token is not None:
             on_token(nxt)
         if step + 1 < steps:
-            logits = run("decode", np.array([nxt], dtype=np.int64))
+            logits = run(step_entry, np.array([nxt], dtype=np.int64))
     return out
 
 
