@@ -118,7 +118,8 @@ def entries(mod):
 
 def with_decode_one(mod):
     """`mod` with the entry DECODE_ONE: its decode with the batch fixed to 1, so that the VM
-    does no shape work for one stream's step (the kernels are shared with decode)."""
+    does no shape work for one stream's step (fusion gives it kernels of static shapes of its
+    own; the weights are the same constants)."""
     import tvm
     from tvm.relax.utils import copy_with_new_vars
 
