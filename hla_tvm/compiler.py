@@ -103,10 +103,7 @@ def to_relax(model, *, max_batch=None, target=None):
             Decode(model, layout), (torch.zeros(rows, dtype=torch.int64), *st),
             dynamic_shapes=(_dims({0: batch}), state_dims))
         mods["decode"] = import_exported(ep)
-    mod = merge_entries(mods)
-    if batch is not None:
-        mod = with_decode_one(mod)
-    return mod
+    return merge_entries(mods)
 
 
 def entries(mod):
@@ -116,13 +113,22 @@ def entries(mod):
                   if gv.name_hint in ("decode", "prefill", DECODE_ONE))
 
 
+def target_entries(mod, target):
+    """`mod` with the entries it is compiled with for `target`: on CPUs DECODE_ONE added
+    (`with_decode_one`; measured there), elsewhere as it is."""
+    return with_decode_one(mod) if target.kind.name == "llvm" else mod
+
+
 def with_decode_one(mod):
     """`mod` with the entry DECODE_ONE: its decode with the batch fixed to 1, so that the VM
     does no shape work for one stream's step (fusion gives it kernels of static shapes of its
-    own; the weights are the same constants)."""
+    own; the weights are the same constants); `mod` itself where its decode's batch is static
+    already or it has no decode."""
     import tvm
     from tvm.relax.utils import copy_with_new_vars
 
+    if "decode" not in entries(mod):
+        return mod
     # (new variables: a variable defined in two functions fails Relax's FuseOps)
     decode = copy_with_new_vars(mod["decode"])
     batch = decode.params[0].ty.shape[0]
@@ -298,7 +304,6 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "weights_sha256": weights_digest(config, model.state_dict()),
             "quantize": None if sch is None else sch.as_meta(), **text}
     mod = to_relax(model, max_batch=max_batch, target=tgt)
-    meta["entries"] = entries(mod)
     return build(mod, meta, tgt, out, records_path)
 
 
@@ -337,12 +342,14 @@ def resolve_model_target(target):
 
 
 def build(mod, meta, target, out, records_path=None):
-    """Compile the Relax module `mod` (prefill/decode entries) with `meta` embedded for
-    `target` (`executable`) and write the sealed library to `out` (atomically); for a CUDA
-    target, its device code beside it where nvcc is installed (`device_code.ship`). Returns
-    `out`."""
+    """Compile the Relax module `mod` (prefill/decode entries, `target_entries` added) with
+    `meta` embedded for `target` (`executable`; its "entries" set here) and write the sealed
+    library to `out` (atomically); for a CUDA target, its device code beside it where nvcc is
+    installed (`device_code.ship`). Returns `out`."""
     from .runtime import device_code, libfile
 
+    mod = target_entries(mod, target)
+    meta = {**meta, "entries": entries(mod)}
     exe, meta = executable(mod, meta, target, records_path)
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))

@@ -96,7 +96,7 @@ def test_decode_graph_compiles_to_a_decode_only_module(tmp_path):
     path = tmp_path / "decode.onnx"
     hla_onnx.export(model, path, decode=True)
     m = load(hla_onnx.compile(path, out=tmp_path / "step.so"))
-    assert m.entries == ("decode",)
+    assert m.entries == ("decode", "decode_1")   # (decode_1: one stream's step, static shapes)
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 6))
     logits, state = m.prefill(tokens, m.init_state(2))
     ref, ref_state = _torch(model, tokens)

@@ -63,7 +63,7 @@ def _model_kernels(path, target, sch=None):
     """The tunable functions of the model at `path` (a checkpoint or an ONNX file) as `compile`
     builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
     shapes at the tuning shape)}."""
-    from ..compiler import prepare
+    from ..compiler import prepare, target_entries
     from ..schedule.tuning.model import tunable
 
     if str(path).endswith(".onnx"):
@@ -75,6 +75,7 @@ def _model_kernels(path, target, sch=None):
         from ..models import HLALM
 
         mod = to_relax(HLALM.load(path))
+    mod = target_entries(mod, target)
     found = tunable(prepare(mod, target) if sch is None else prepare(mod, target, sch)[0],
                     target)
     if not found:

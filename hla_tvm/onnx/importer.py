@@ -321,7 +321,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
 def lm_module(path):
     """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
     language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
-    from ..compiler import MODULE_FORMAT, entries, merge_entries, with_decode_one
+    from ..compiler import MODULE_FORMAT, entries, merge_entries
     from .quantized import dequantized
 
     model = load_model(path)
@@ -337,9 +337,9 @@ def lm_module(path):
         mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
     else:
         mods = {"decode": to_relax(model)}
-    mod = with_decode_one(merge_entries(mods))
+    mod = merge_entries(mods)
     meta = {"format": MODULE_FORMAT, "state": sig["state"], "vocab_size": sig["vocab_size"],
-            "config": sig["config"], "source": "onnx", "max_batch": None,
-            "entries": entries(mod),
-            "onnx_sha256": digest, "quantize": None if sch is None else sch.as_meta()}
+            "config": sig["config"], "entries": entries(mod), "source": "onnx",
+            "max_batch": None, "onnx_sha256": digest,
+            "quantize": None if sch is None else sch.as_meta()}
     return mod, meta
