@@ -257,7 +257,6 @@ def pick(kernels, db, target, *, quiet=(), path=None):
 def tuned(func, shapes, db, target):
     """`func` scheduled by its record in `db` (the trace replayed on the symbolic kernel), or
     None when `db` holds none for it."""
-
     rec = db.query_tuning_record(workload(func, shapes), target, "main")
     if rec is None:
         return None

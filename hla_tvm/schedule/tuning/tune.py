@@ -466,15 +466,15 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     os.makedirs(work, exist_ok=True)
     names = sorted(kernels)
 
-    def runner_secs(funcs):
-        return _runner_secs(funcs, target, builder, runner)
+    def runner_secs(funcs, args_info=None):
+        return _runner_secs(funcs, target, builder, runner, args_info)
 
     def measure(funcs, shapes, wl):   # the final comparison: on the device, or here in turn
         """[seconds] of each function in `funcs` (None: inf), inputs of `shapes`."""
         ok = [f for f in funcs if f is not None]
         if remote:
-            secs = [min(x) if x else float("inf") for x in _runner_secs(
-                ok, target, builder, runner, ms.arg_info.ArgInfo.from_prim_func(wl["main"]))]
+            secs = [min(x) if x else float("inf") for x in runner_secs(
+                ok, ms.arg_info.ArgInfo.from_prim_func(wl["main"]))]
         else:
             secs = _time(ok, shapes, target)
         it = iter(secs)

@@ -80,7 +80,8 @@ _LOCK = threading.Lock()
 
 
 def register():
-    """Register the tensor intrinsic (once a process; a tuning record's trace replays it)."""
+    """Register the tensor intrinsic, once a process: `tensorize` does, and whatever opens
+    records first (`schedule.register_intrinsics`: a record's trace names it)."""
     from tvm.s_tir import TensorIntrin
 
     with _LOCK:
@@ -102,6 +103,3 @@ def tensorize(sch, block, cols_loop, red_loop, outer_loop):
     sch.vectorize(sch.get_loops(init)[-1])
     sch.tensorize(inner, INTRIN)
     sch.annotate(outer_loop, "pragma_import_llvm", LLVM_IR)
-
-
-register()   # at import: a tuning record that tensorizes replays in any process
