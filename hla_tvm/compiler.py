@@ -165,17 +165,20 @@ def prepare(mod, target, quantize=None):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
     scheduled: embedding lookups clamped (`safe_take`), one-sided integer clamps bounded
     (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), projection scales next to
-    their products (`scale_epilogue`), the weights stored as the kernels read them
+    their products (`scale_epilogue`), the products of one input with several weights one
+    product (`parallel_products`), the weights stored as the kernels read them
     (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), then
     `legalize`d. Returns the module, or (module, the packing's report) when `quantize` is
     given."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.int_clip import int_clip
     from .frontend.pack_weights import pack_weights
+    from .frontend.parallel_products import parallel_products
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
     mod = scale_epilogue(fused_rms_norm(int_clip(safe_take(mod))))
+    mod = parallel_products(mod)
     mod, report = pack_weights(mod, quantize, target)
     mod = legalize(mod, target)
     return mod if quantize is None else (mod, report)

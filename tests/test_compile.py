@@ -20,6 +20,7 @@ FAST = {
     "test_wrong_state_is_refused",
     "test_bad_targets_are_refused_before_export",
     "test_scale_epilogue_keeps_values",
+    "test_products_of_one_input_become_one_product",
     "test_torch_tensors_in[hla2]",
     "test_decode_hands_back_the_arrays_it_advanced_in_place[hla2]",
     "test_one_stream_steps_through_the_static_batch_entry[hla2]",
@@ -469,3 +470,49 @@ def test_scale_epilogue_keeps_values(case):
     p = (xs.astype(np.float64) @ w).reshape(2, -1, 2, 3).transpose(0, 2, 1, 3)
     want = p * 4.0 if case == "multiply" else 4.0 / p if first else p / 4.0
     np.testing.assert_allclose(_run_relax(out, xs), want, rtol=1e-5, atol=1e-6)
+
+
+def test_products_of_one_input_become_one_product():
+    """`parallel_products`: x's three products with constant weights (one given as nn.Linear's
+    [N, K] through a transpose) become one product of the concatenated [K, 8 + 5 + 3] weight
+    and slices of it, z's two another; x's product with a weight that is not a constant stays
+    as it was. Values: numpy's float64 products."""
+    import tvm
+    from tvm import relax
+
+    from hla_tvm.frontend.parallel_products import parallel_products
+
+    rng = np.random.default_rng(0)
+    t = tvm.tirx.Var("t", "int64")
+    x = relax.Var("x", relax.TensorType([2, t, 6], "float32"))
+    z = relax.Var("z", relax.TensorType([2, t, 4], "float32"))
+    p = relax.Var("p", relax.TensorType([6, 7], "float32"))
+    w = [rng.standard_normal(s).astype("float32") for s in ((6, 8), (5, 6), (6, 3), (4, 6),
+                                                            (4, 2))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, z, p]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, relax.const(w[0])))
+            wt = bb.emit(relax.op.permute_dims(relax.const(w[1]), [1, 0]))
+            b = bb.emit(relax.op.matmul(x, wt))
+            c = bb.emit(relax.op.matmul(x, relax.const(w[2])))
+            d = bb.emit(relax.op.matmul(z, relax.const(w[3])))   # another input
+            e = bb.emit(relax.op.matmul(x, p))                  # a weight not a constant
+            f = bb.emit(relax.op.matmul(z, relax.const(w[4])))
+            y = bb.emit_output(relax.Tuple([a, b, c, d, e, f]))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    out = parallel_products(mod)
+    text = out["main"].script()
+    assert text.count("R.matmul(") == 3 and text.count("R.strided_slice(") == 2 + 3
+    assert "R.Tensor((2, t, 16)" in text and "R.Tensor((2, t, 6)" in text   # x's and z's
+    assert mod["main"].script().count("R.matmul(") == 6   # the caller's module kept
+    xs, zs = (rng.standard_normal((2, 3, k)).astype("float32") for k in (6, 4))
+    ps = rng.standard_normal((6, 7)).astype("float32")
+    exe = tvm.compile(out, target="llvm")
+    got = relax.VirtualMachine(exe, tvm.cpu())["main"](
+        *[tvm.runtime.tensor(v) for v in (xs, zs, ps)])
+    x64, z64 = xs.astype(np.float64), zs.astype(np.float64)
+    want = [x64 @ w[0], x64 @ w[1].T, x64 @ w[2], z64 @ w[3], x64 @ ps, z64 @ w[4]]
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), v, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,21 @@ def _constants(mod):
     return list(found.values())
 
 
+def stored_weights(model):
+    """The [N, K] shapes of an HLALM's projection weights as a compiled module stores them: the
+    weights of the products of one input concatenated along N (`frontend.parallel_products`),
+    an untied head's own."""
+    out = []
+    for block in model.blocks:
+        a, m = block.attn, block.mlp
+        for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate, m.up), (m.down,)):
+            out.append(torch.Size([sum(x.weight.shape[0] for x in group),
+                                   group[0].weight.shape[1]]))
+    if model.head is not None:
+        out.append(model.head.weight.shape)
+    return out
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
     from hla_tvm.compiler import prepare, to_relax
@@ -73,8 +88,9 @@ def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
     p = panel_width(256, target)
     assert p in (64, 128)   # the one-row tile's width for N = 256: 128 on AVX-512, 64 below
     panels = [s for s, d in consts if len(s) == 3 and d == "float32"]
-    # every product's weight W [K, N] (nn.Linear's [N, K], and the head) as [N / P, K, P]
-    weights = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # every product's weight W [K, N] (nn.Linear's [N, K], and the head) as [N / P, K, P]; the
+    # products of one input as one weight (`frontend.parallel_products`): q, k, v and gate, up
+    weights = stored_weights(model)
     if tied:
         weights.append(model.embed.weight.shape)   # the head reads the table: N = vocab
     for n, k in weights:
@@ -156,6 +172,6 @@ def test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products
         relax.analysis.post_order_visit(mod[entry], visit)
         return sum(g for g, _ in found), sum(m for _, m in found)
 
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    linears = len(stored_weights(model))
     assert products("decode") == (linears + 1, 0)   # the layers' products and the head
     assert products("prefill") == (0, linears + 1)
