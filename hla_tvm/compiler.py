@@ -217,8 +217,7 @@ def lowering_pipeline(target):
         from tvm.relax.backend.cuda import pipeline as passes
 
         return tvm.transform.Sequential(
-            [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                     dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+            [cuda_default_schedules()]
             + passes.dataflow_lower_passes(target) + passes.finalize_passes(target))
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
@@ -229,6 +228,16 @@ def lowering_pipeline(target):
                                  dl.cpu.Reduction(),
                                  ParallelFallback())]
         + cpu.dataflow_lower_passes(target) + cpu.finalize_passes(target))
+
+
+def cuda_default_schedules():
+    """The pass giving a CUDA module's functions not scheduled yet (its projections, quantized
+    or not, norms, element-wise work) dlight's GPU rules: Matmul, GEMV, Reduction,
+    GeneralReduction, Fallback (inside `with target`)."""
+    from tvm.s_tir import dlight as dl
+
+    return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                   dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
 def cpu_pipeline(target):

@@ -103,15 +103,15 @@ def pack_tvm_runtime(package, out):
 
 
 def prepare_models(bundle, arch):
-    """Compile the check's models for the GPU: a tiny decayed HLALM (its checkpoint written
-    beside) and the shipped demo model."""
+    """Compile the check's models for the GPU (`MODELS`): a tiny decayed HLALM (its checkpoint
+    written beside) and the shipped demo model, with float32, int4 and int8 weights."""
     import torch
 
     from hla_tvm import compile as compile_model
     from hla_tvm.models import HLALM
 
     os.makedirs(os.path.join(bundle, "models"), exist_ok=True)
-    for name, checkpoint in MODELS.items():
+    for name, (checkpoint, quantize) in MODELS.items():
         if checkpoint is None:
             torch.manual_seed(0)
             checkpoint = os.path.join(bundle, "models", f"{name}.pt")
@@ -124,7 +124,7 @@ def prepare_models(bundle, arch):
             shutil.copy2(checkpoint, os.path.join(bundle, "models", f"{name}.pt"))
         t0 = time.time()
         compile_model(HLALM.load(checkpoint), target={"kind": "cuda", "arch": arch},
-                      out=os.path.join(bundle, "models", f"{name}.so"))
+                      out=os.path.join(bundle, "models", f"{name}.so"), quantize=quantize)
         print(f"model {name}: {time.time() - t0:.1f} s", flush=True)
 
 

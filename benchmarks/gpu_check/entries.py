@@ -28,8 +28,23 @@ PREFILL_VARIANTS = ("hla2_decay", "ahla", "hla3")
 VARIANTS = {"h200-timed": dict(lanes=False, tiles=(), chunk_threads=128),
             "tiles-128-threads": dict(chunk_threads=128),
             "chunk-32": dict(chunk=32)}
-# the compiled models `prepare` makes and `models` runs (the tiny one's checkpoint is made then)
-MODELS = {"tiny": None, "demo": os.path.join(ROOT, "hla_tvm", "data", "stdlib-hla2.pt")}
+# the compiled models `prepare` makes and `models` runs: name -> (checkpoint, quantize scheme);
+# the tiny one's checkpoint is made then; a quantized module is checked against its model with
+# the dequantized weights (`hla_tvm.quant.torch_weights`)
+_SHIPPED = os.path.join(ROOT, "hla_tvm", "data", "stdlib-hla2.pt")
+MODELS = {"tiny": (None, None), "demo": (_SHIPPED, None), "demo-int4": (_SHIPPED, "int4"),
+          "demo-int8": (_SHIPPED, "int8")}
+
+
+def reference_model(model, quantize):
+    """The PyTorch model a compiled module of `model` with weights under `quantize` (None:
+    float32) computes: `model` itself, or a copy with the dequantized weights."""
+    if quantize is None:
+        return model
+    from hla_tvm.quant import scheme
+    from hla_tvm.quant.torch_weights import dequantized_model
+
+    return dequantized_model(model, scheme(quantize))
 
 
 def entry_id(fam, phase, dtype, d, group=1, normalize=False):

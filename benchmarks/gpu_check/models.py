@@ -8,7 +8,7 @@ import sys
 import time
 
 from . import HERE
-from .entries import MODELS
+from .entries import MODELS, reference_model
 
 BUNDLE_PROMPT = [5, 9, 2, 33, 7, 1, 0, 12]   # token ids below every model's vocabulary
 
@@ -119,17 +119,19 @@ def _eager_decode(model):
 
 def models(args):
     """Each compiled model of the bundle, run by `hla_tvm.runtime.load(device="cuda")` in a
-    process without torch, against its checkpoint in PyTorch (float64, CPU); decode speed beside
-    PyTorch eager on the same GPU; on a GPU, each model's bundle too (`bundle_check`)."""
+    process without torch, against its checkpoint in PyTorch (float64, CPU; a quantized module
+    against the model with its dequantized weights, `entries.reference_model`); decode speed
+    beside PyTorch eager on the same GPU; on a GPU, each model's bundle too (`bundle_check`)."""
     import numpy as np
     import torch
 
     from hla_tvm.models import HLALM
 
     rows = []
-    for name in MODELS:
+    for name, (_, quantize) in MODELS.items():
         so = os.path.join(args.bundle, "models", f"{name}.so")
-        model = HLALM.load(os.path.join(args.bundle, "models", f"{name}.pt")).eval()
+        model = reference_model(
+            HLALM.load(os.path.join(args.bundle, "models", f"{name}.pt")).eval(), quantize)
         vocab = model.config["vocab_size"]
         tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 40))
         tok_path = os.path.join(args.out, f"{name}-tokens.npy")

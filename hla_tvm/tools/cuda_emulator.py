@@ -55,6 +55,17 @@ static emu_dim3 emu_tid, emu_bid, emu_bdim, emu_gdim;
 #define uchar unsigned char
 #define ushort unsigned short
 static inline float __fdividef(float a, float b) { return a / b; }
+// CUDA's vector types, as TVM's vectorized loads and stores use them (dlight's Matmul)
+#define EMU_VEC2(T, N) struct alignas(2 * sizeof(T)) N { T x, y; }; \
+  static inline N make_##N(T a, T b) { N v; v.x = a; v.y = b; return v; }
+#define EMU_VEC4(T, N) struct alignas(4 * sizeof(T)) N { T x, y, z, w; }; \
+  static inline N make_##N(T a, T b, T c, T d) { N v; v.x = a; v.y = b; v.z = c; v.w = d; \
+                                                 return v; }
+EMU_VEC2(float, float2) EMU_VEC4(float, float4) EMU_VEC2(int, int2) EMU_VEC4(int, int4)
+EMU_VEC2(unsigned, uint2) EMU_VEC4(unsigned, uint4)
+EMU_VEC2(unsigned short, ushort2) EMU_VEC4(unsigned short, ushort4)
+EMU_VEC2(unsigned char, uchar2) EMU_VEC4(unsigned char, uchar4)
+EMU_VEC2(signed char, char2) EMU_VEC4(signed char, char4)
 struct nv_bfloat16 {   // bfloat16 storage; arithmetic through float, as the kernels do
   unsigned short bits;
   nv_bfloat16() = default;
@@ -230,6 +241,8 @@ def translate(source):
         raise ValueError("emulator: no __global__ kernel in the CUDA source")
     body = _DYN_SHARED.sub(r"\1* \2 = (\1*)emu_dyn_shmem;", source[start:])
     body = body.replace("__shared__", "static")
+    # (a shared array's alignment: C++ wants it before `static`)
+    body = re.sub(r"static alignas\((\d+)\)", r"alignas(\1) static", body)
     kernels = {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()]
                for m in _KERNEL.finditer(body)}
     return _HEADER + body + "\n" + "".join(_launcher(n, p) for n, p in kernels.items()), \
