@@ -475,8 +475,9 @@ def test_scale_epilogue_keeps_values(case):
 def test_products_of_one_input_become_one_product():
     """`parallel_products`: x's three products with constant weights (one given as nn.Linear's
     [N, K] through a transpose) become one product of the concatenated [K, 8 + 5 + 3] weight
-    and slices of it, z's two another; x's product with a weight that is not a constant stays
-    as it was. Values: numpy's float64 products."""
+    and slices of it, z's two another; x's product with a weight that is not a constant, and
+    its product in another binding block, stay as they were. Values: numpy's float64
+    products."""
     import tvm
     from tvm import relax
 
@@ -500,19 +501,20 @@ def test_products_of_one_input_become_one_product():
             e = bb.emit(relax.op.matmul(x, p))                  # a weight not a constant
             f = bb.emit(relax.op.matmul(z, relax.const(w[4])))
             y = bb.emit_output(relax.Tuple([a, b, c, d, e, f]))
-        bb.emit_func_output(y)
+        g = bb.emit(relax.op.matmul(x, relax.const(w[0])))   # another block: stays apart
+        bb.emit_func_output(relax.Tuple([*[y[i] for i in range(6)], g]))
     mod = bb.get()
     out = parallel_products(mod)
     text = out["main"].script()
-    assert text.count("R.matmul(") == 3 and text.count("R.strided_slice(") == 2 + 3
+    assert text.count("R.matmul(") == 4 and text.count("R.strided_slice(") == 2 + 3
     assert "R.Tensor((2, t, 16)" in text and "R.Tensor((2, t, 6)" in text   # x's and z's
-    assert mod["main"].script().count("R.matmul(") == 6   # the caller's module kept
+    assert mod["main"].script().count("R.matmul(") == 7   # the caller's module kept
     xs, zs = (rng.standard_normal((2, 3, k)).astype("float32") for k in (6, 4))
     ps = rng.standard_normal((6, 7)).astype("float32")
     exe = tvm.compile(out, target="llvm")
     got = relax.VirtualMachine(exe, tvm.cpu())["main"](
         *[tvm.runtime.tensor(v) for v in (xs, zs, ps)])
     x64, z64 = xs.astype(np.float64), zs.astype(np.float64)
-    want = [x64 @ w[0], x64 @ w[1].T, x64 @ w[2], z64 @ w[3], x64 @ ps, z64 @ w[4]]
+    want = [x64 @ w[0], x64 @ w[1].T, x64 @ w[2], z64 @ w[3], x64 @ ps, z64 @ w[4], x64 @ w[0]]
     for g, v in zip(got, want):
         np.testing.assert_allclose(g.numpy(), v, rtol=1e-5, atol=1e-5)

@@ -15,8 +15,8 @@ prefill timed there beside PyTorch, from a bundle made on a machine with TVM's c
         alone), then the timings; prints Markdown tables and writes DIR/gpu_check.json and .md.
     python benchmarks/gpu_check models [--out DIR]
         (on the GPU machine: TVM's runtime alone) the bundle's compiled models (a tiny HLALM and
-        the shipped demo model with float32, int4 and int8 weights, `hla-tvm compile --target
-        cuda [--quantize]`) through `hla_tvm.runtime.load(device="cuda")` against their
+        the shipped demo model with float32 and int4 weights, `hla-tvm compile --target cuda
+        [--quantize int4]`) through `hla_tvm.runtime.load(device="cuda")` against their
         checkpoints in PyTorch (quantized: with the dequantized weights); then each
         model's `hla-tvm bundle`, made there, through its generate.py and the C++ app (built by
         `prepare`), their greedy tokens against PyTorch's.

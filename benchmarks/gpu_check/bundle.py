@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import ROOT
-from .entries import MODELS, PREFILL_VARIANTS, VARIANTS, entries, entry_id
+from .entries import MODELS, PREFILL_VARIANTS, VARIANTS, checkpoint_file, entries, entry_id
 
 FFI_WHEEL = "apache-tvm-ffi==0.1.14.post0"   # pyproject's pin
 
@@ -104,7 +104,7 @@ def pack_tvm_runtime(package, out):
 
 def prepare_models(bundle, arch):
     """Compile the check's models for the GPU (`MODELS`): a tiny decayed HLALM (its checkpoint
-    written beside) and the shipped demo model, with float32, int4 and int8 weights."""
+    written beside) and the shipped demo model, with float32 and int4 weights."""
     import torch
 
     from hla_tvm import compile as compile_model
@@ -114,14 +114,14 @@ def prepare_models(bundle, arch):
     for name, (checkpoint, quantize) in MODELS.items():
         if checkpoint is None:
             torch.manual_seed(0)
-            checkpoint = os.path.join(bundle, "models", f"{name}.pt")
+            checkpoint = os.path.join(bundle, "models", checkpoint_file(name))
             tiny = HLALM(40, 32, 2, 4, chunk_size=16, decay=[0.9, 0.95, 0.97, 0.99])
             with torch.no_grad():   # larger weights: greedy tokens that depend on the context
                 for p in tiny.parameters():   # (at init the tiny model repeats one token)
                     p.mul_(4)
             tiny.save(checkpoint)
-        else:
-            shutil.copy2(checkpoint, os.path.join(bundle, "models", f"{name}.pt"))
+        elif not os.path.isfile(os.path.join(bundle, "models", checkpoint_file(name))):
+            shutil.copy2(checkpoint, os.path.join(bundle, "models", checkpoint_file(name)))
         t0 = time.time()
         compile_model(HLALM.load(checkpoint), target={"kind": "cuda", "arch": arch},
                       out=os.path.join(bundle, "models", f"{name}.so"), quantize=quantize)

@@ -32,8 +32,14 @@ VARIANTS = {"h200-timed": dict(lanes=False, tiles=(), chunk_threads=128),
 # the tiny one's checkpoint is made then; a quantized module is checked against its model with
 # the dequantized weights (`hla_tvm.quant.torch_weights`)
 _SHIPPED = os.path.join(ROOT, "hla_tvm", "data", "stdlib-hla2.pt")
-MODELS = {"tiny": (None, None), "demo": (_SHIPPED, None), "demo-int4": (_SHIPPED, "int4"),
-          "demo-int8": (_SHIPPED, "int8")}
+MODELS = {"tiny": (None, None), "demo": (_SHIPPED, None), "demo-int4": (_SHIPPED, "int4")}
+
+
+def checkpoint_file(name):
+    """The file name in the bundle's models/ of model `name`'s checkpoint: one copy for the
+    models of one checkpoint."""
+    checkpoint = MODELS[name][0]
+    return f"{name}.pt" if checkpoint is None else os.path.basename(checkpoint)
 
 
 def reference_model(model, quantize):

@@ -8,7 +8,7 @@ import sys
 import time
 
 from . import HERE
-from .entries import MODELS, reference_model
+from .entries import MODELS, checkpoint_file, reference_model
 
 BUNDLE_PROMPT = [5, 9, 2, 33, 7, 1, 0, 12]   # token ids below every model's vocabulary
 
@@ -131,7 +131,8 @@ def models(args):
     for name, (_, quantize) in MODELS.items():
         so = os.path.join(args.bundle, "models", f"{name}.so")
         model = reference_model(
-            HLALM.load(os.path.join(args.bundle, "models", f"{name}.pt")).eval(), quantize)
+            HLALM.load(os.path.join(args.bundle, "models", checkpoint_file(name))).eval(),
+            quantize)
         vocab = model.config["vocab_size"]
         tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 40))
         tok_path = os.path.join(args.out, f"{name}-tokens.npy")

@@ -28,7 +28,8 @@ def parallel_products(mod, *, min_weights=2):
     matmul_op, permute_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "permute_dims"))
 
     def weight(expr, bound):
-        """The float32 [K, N] array `expr` is (a constant or its 2-d transpose), or None."""
+        """(the float32 [K, N] Relax constant `expr` is, directly or through a 2-d transpose of
+        an [N, K] one; whether transposed), or None."""
         transposed = False
         for _ in range(8):
             if isinstance(expr, relax.Var) and expr in bound:
@@ -41,32 +42,49 @@ def parallel_products(mod, *, min_weights=2):
                 expr, transposed = expr.args[0], True
             else:
                 break
-        if not isinstance(expr, tvm.ir.expr.Constant):
+        ty = getattr(expr, "ty", None)
+        if not isinstance(expr, tvm.ir.expr.Constant) or getattr(ty, "ndim", None) != 2 or \
+                str(ty.dtype) != "float32":
             return None
-        data = expr.value.numpy()
-        if data.dtype != np.float32 or data.ndim != 2:
-            return None
+        return expr, transposed
+
+    def as_matrix(found):
+        """The [K, N] numpy array of `weight`'s result."""
+        const, transposed = found
+        data = const.value.numpy()
         return np.ascontiguousarray(data.T) if transposed else data
 
+    def static_k(x):
+        """x's last dimension as an int, or None (unknown or symbolic)."""
+        shape = getattr(x.ty, "shape", None)
+        if not isinstance(x, relax.Var) or getattr(x.ty, "dtype", None) != "float32" or \
+                shape is None or not isinstance(shape[-1], tvm.tirx.IntImm):
+            return None
+        return int(shape[-1])
+
     def groups(func):
-        """{first binding's var: [(var, [K, N] weight)]} of the products to combine."""
-        bound, found = {}, {}
+        """{first binding's var: [(var, [K, N] weight)]} of the products to combine: those of
+        one input within one dataflow block."""
+        bound, plan = {}, {}
         for block in func.body.blocks:
+            found = {}
             for b in block.bindings:
                 bound[b.var] = b.value
                 v = b.value
-                if not (isinstance(v, relax.Call) and v.op.same_as(matmul_op)):
-                    continue
-                x = v.args[0]
-                if not isinstance(x, relax.Var) or \
-                        getattr(x.ty, "dtype", None) != "float32" or \
+                if not (isinstance(v, relax.Call) and v.op.same_as(matmul_op)) or \
                         v.attrs.out_dtype not in (None, "", "float32", "void"):
                     continue
-                w = weight(v.args[1], bound)
-                if w is not None and w.shape[0] == int(x.ty.shape[-1]):
+                x, k = v.args[0], static_k(v.args[0])
+                w = None if k is None else weight(v.args[1], bound)
+                if w is None:
+                    continue
+                const, transposed = w
+                if int(const.ty.shape[1 if transposed else 0]) == k:
                     found.setdefault(x, []).append((b.var, w))
-        return {members[0][0]: members for members in found.values()
-                if len(members) >= min_weights}
+            for members in found.values():
+                if len(members) >= min_weights:
+                    plan[members[0][0]] = [(var, as_matrix(w)) for var, w in members]
+        return plan
 
     @relax.expr_functor.mutator
     class _Combine(relax.PyExprMutator):
@@ -80,14 +98,15 @@ def parallel_products(mod, *, min_weights=2):
                 members = self.plan[binding.var]
                 x = self.visit_expr(binding.value.args[0])
                 w = np.ascontiguousarray(np.concatenate([m[1] for m in members], axis=1))
-                y = self.builder_.emit(relax.op.matmul(x, relax.const(w)), name_hint="qkv")
+                y = self.builder_.emit(relax.op.matmul(x, relax.const(w)),
+                                        name_hint="merged")
                 at = 0
                 for var, m in members:
                     self.slices[var] = (y, at, at + m.shape[1])
                     at += m.shape[1]
             if binding.var in self.slices:
                 y, begin, end = self.slices[binding.var]
-                axis = len(binding.var.ty.shape) - 1
+                axis = binding.var.ty.ndim - 1
                 value = self.builder_.normalize(
                     relax.op.strided_slice(y, axes=[axis], begin=[begin], end=[end]))
                 self.builder_.emit_normalized(relax.VarBinding(binding.var, value))

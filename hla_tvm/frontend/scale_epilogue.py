@@ -12,7 +12,7 @@ stand between them. Two exact rewrites remove what stands between:
   values in the same order; moved down a chain of reshapes, the scale meets the product and
   fusion makes it the product's epilogue.
 
-Without them a decode step ran the q and k scales as two kernels a layer of their own.
+Without them a decode step runs the q and k scales as two kernels a layer of their own.
 Prefill's transposes move T and stay transposes."""
 from __future__ import annotations
 
