@@ -57,10 +57,11 @@ def schedule(sch, lanes):
     entries = joint_extent(sch, lead)
     rows = None
     pairs = reads_pairs(sch.get(part))
-    # batch entries: BATCH_ROWS at a time, sharing each weight's conversion; int4 keeps one at
-    # a time: with two, the 120 M model's int4 step took 4.74 against 3.56 ms for one entry
-    # (the predicated second row), for 16.7 against 21.1 ms with eight (docs/cpu_schedules.md)
-    if not pairs and (entries is None or entries > 1):
+    # batch entries: BATCH_ROWS at a time, sharing each weight's conversion; int4 only where
+    # the batch is symbolic, as one stream runs a static entry of its own (`compiler.
+    # with_decode_one`): in a symbolic batch's kernel two at a time made one entry slower (the
+    # predicated second row; docs/cpu_schedules.md)
+    if (entries is None or entries > 1) and (not pairs or entries is None):
         bo, rows = sch.split(sch.fuse(*lead), factors=[None, BATCH_ROWS])
         lead = [bo]
         sch.reorder(no, bo, g, rows, ni)
