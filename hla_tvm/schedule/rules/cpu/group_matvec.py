@@ -8,9 +8,10 @@ Loops: parallel(n_outer), batch.., g, then the group's sum (k, n_inner) beside t
 accumulation (n_inner): a column tile of the one-row tile's width (`matmul_tiles.tile_shape`,
 the weights' panel width) keeps its partial sums and its accumulators in vector registers, so
 each weight is read and converted once and multiplied by no scale (one multiply-add a group and
-column does that). Several batch entries (int8) run `matmul_tiles.BATCH_ROWS` at a time (the
-tile's rows, unrolled inside k): one conversion of a weight serves them. An int4 weight's sum
-runs by row pairs, unrolled, so one byte load feeds both nibbles. Speed:
+column does that). Several batch entries run `matmul_tiles.BATCH_ROWS` at a time (the tile's
+rows, unrolled inside k): one conversion of a weight serves them (int4: in a symbolic batch's
+kernel; a static batch of one keeps one entry). An int4 weight's sum runs by row pairs,
+unrolled, so one byte load feeds both nibbles. Speed:
 docs/cpu_schedules.md."""
 from __future__ import annotations
 
