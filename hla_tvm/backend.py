@@ -107,9 +107,9 @@ def gpu_scratch_budget(device):
     return max(SCRATCH_BYTES, min(total // 8, free // 2))
 
 
-def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
-    """The (batch, head) blocks a CPU prefill runs one after another, as (b0, b1, h0, h1):
-    the whole input where its scratch fits SCRATCH_BYTES, else rows of whole batch entries,
+def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc, budget=None):
+    """The (batch, head) blocks a CPU prefill runs, as (b0, b1, h0, h1): the whole input where
+    its scratch fits `budget` bytes (None: SCRATCH_BYTES), else rows of whole batch entries,
     else blocks of whole head groups (H / Hkv heads) of one entry: the fewest blocks that fit,
     their sizes differing by one at most. Each block's q, k, v, output and state are
     contiguous slices of the caller's tensors, copied only where a slice does not start
@@ -117,7 +117,7 @@ def head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc):
     the budget (a single group over a very long T) runs in segments of T (`segment_tokens`)."""
     group = H // Hkv
     per_head = math.ceil(T / chunk_size) * _chunk_bytes(chain, dk, dv, chunk_size, acc)
-    fit = SCRATCH_BYTES // per_head   # heads whose whole-T scratch fits
+    fit = (budget or SCRATCH_BYTES) // per_head   # heads whose whole-T scratch fits
     if fit >= B * H:
         return [(0, B, 0, H)]
     if fit >= H:   # rows of whole batch entries
@@ -140,9 +140,12 @@ def _even_parts(count, most):
 def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
     """o [B, H, T, dv]: run(env, o) (env: q, k, v, gamma and `state`'s entries, as
     `run_chain` reads them) on the whole input, or on its parts: on a CPU the (batch, head)
-    blocks of `head_blocks`, slices of the caller's tensors; on a GPU, where a block of fewer
-    heads would leave the scans' lanes idle, consecutive segments of T within
-    `gpu_scratch_budget` (copies), each continuing the state the one before left."""
+    blocks of `head_blocks`, slices of the caller's tensors, one after another, or, where
+    those blocks hold fewer heads than the workers, blocks within an equal share of
+    SCRATCH_BYTES each, run at once by as many threads of one worker each (`_block_workers`:
+    the scans and the carry, sequential over chunks, then keep every core busy); on a GPU,
+    where a block of fewer heads would leave the scans' lanes idle, consecutive segments of T
+    within `gpu_scratch_budget` (copies), each continuing the state the one before left."""
     B, H, T, dk = q.shape
     Hkv, dv = k.shape[1], v.shape[-1]
     acc = state_dtype(q.dtype)
@@ -150,7 +153,10 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
     blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc) \
         if q.device.type == "cpu" else [(0, B, 0, H)]
     group = H // Hkv
-    for b0, b1, h0, h1 in blocks:
+    budget = None
+
+    def block(bounds):
+        b0, b1, h0, h1 = bounds
         kv = slice(h0 // group, h1 // group)
         # (validate.state: key/value-head entries have Hkv heads, query-head ones H)
         part = {name: x[b0:b1, h0:h1] if x.shape[1] == H else x[b0:b1, kv]
@@ -159,20 +165,57 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
         env = {name: aligned(x) for name, x in part.items()}   # an unaligned slice: a copy
         env["gamma"] = None if gamma is None else aligned(gamma[h0:h1])
         _run_segments(chain, q[b0:b1, h0:h1], k[b0:b1, kv], v[b0:b1, kv], env,
-                      out[b0:b1, h0:h1], chunk_size, acc, run)
+                      out[b0:b1, h0:h1], chunk_size, acc, run, budget)
         for name, x in part.items():
             if env[name] is not x:
                 x.copy_(env[name])
+
+    workers = default_threads() if q.device.type == "cpu" else 1
+    if workers > 1 and len(blocks) > 1 and \
+            min((b1 - b0) * (h1 - h0) for b0, b1, h0, h1 in blocks) < workers:
+        # blocks of fewer heads than workers: sequential over chunks, a block's scans and
+        # carry would keep one core busy; the blocks run at once instead, one worker each,
+        # within the same scratch in all
+        budget = SCRATCH_BYTES // workers
+        blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc, budget)
+        list(_block_workers(workers).map(block, blocks))
+    else:
+        for bounds in blocks:
+            block(bounds)
     return out
 
 
-def _run_segments(chain, q, k, v, env, out, chunk_size, acc, run):
+_BLOCKS = {}   # worker count -> the executor running a CPU prefill's blocks at once
+_BLOCKS_LOCK = threading.Lock()
+_WORKER = threading.local()   # a block worker's scratch holder (its kernels run on 1 worker)
+_WORKER_SCRATCH = []
+
+
+def _block_workers(n):
+    """The executor of `n` threads that runs a CPU prefill's (batch, head) blocks at once
+    (`_segmented`), each thread's kernels on one TVM worker, each with its own scratch."""
+    with _BLOCKS_LOCK:
+        if n not in _BLOCKS:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def start():
+                _WORKER.scratch = _Buffer()
+                with _BLOCKS_LOCK:
+                    _WORKER_SCRATCH.append(_WORKER.scratch)
+
+            _BLOCKS[n] = ThreadPoolExecutor(n, thread_name_prefix="hla_tvm-blocks",
+                                            initializer=start)
+        return _BLOCKS[n]
+
+
+def _run_segments(chain, q, k, v, env, out, chunk_size, acc, run, budget=None):
     """run(env with q, k, v, out) over the whole of T, or over consecutive segments of
-    `segment_tokens` (copies of the inputs' slices; on a GPU within `gpu_scratch_budget`), the
-    state in env (accumulation dtype `acc`) carried between them."""
+    `segment_tokens` within `budget` (copies of the inputs' slices where they are not
+    contiguous; on a GPU within `gpu_scratch_budget`), the state in env (accumulation dtype
+    `acc`) carried between them."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, acc)
+    seg = segment_tokens(chain, B, H, dk, dv, chunk_size, acc, budget)
     if seg < T and q.device.type != "cpu":
         seg = segment_tokens(chain, B, H, dk, dv, chunk_size, acc, gpu_scratch_budget(q.device))
     for start in range(0, T, seg):
@@ -186,10 +229,10 @@ def _run_segments(chain, q, k, v, env, out, chunk_size, acc, run):
             os_.copy_(dst)
 
 
-class _Scratch(threading.local):
-    """One flat scratch buffer per thread, kept between calls: a prefill's per-chunk buffers are
-    views of it, so repeated calls touch memory that is already mapped (fresh allocations of
-    this size come from mmap and fault in every page on first write)."""
+class _Buffer:
+    """One flat scratch buffer, kept between calls: a prefill's per-chunk buffers are views of
+    it, so repeated calls touch memory that is already mapped (fresh allocations of this size
+    come from mmap and fault in every page on first write)."""
     buf = None
 
     def take(self, numel, dtype):
@@ -199,12 +242,21 @@ class _Scratch(threading.local):
         return self.buf
 
 
+class _Scratch(_Buffer, threading.local):
+    """A `_Buffer` per thread."""
+
+
 _SCRATCH = _Scratch()
 
 
 def release_scratch():
-    """Free this thread's kept prefill scratch (at most about SCRATCH_BYTES)."""
+    """Free this thread's kept prefill scratch (at most about SCRATCH_BYTES) and the block
+    workers' (`_segmented`; together at most about SCRATCH_BYTES); call it while no prefill
+    runs."""
     _SCRATCH.buf = None
+    with _BLOCKS_LOCK:
+        for holder in _WORKER_SCRATCH:
+            holder.buf = None
 
 
 def run_chain(chain, fns, env, out, chunk_size):
@@ -223,7 +275,8 @@ def run_chain(chain, fns, env, out, chunk_size):
     numel, acc, device = sum(sizes.values()) + 16, state_dtype(env["q"].dtype), env["q"].device
     # on a GPU a fresh buffer per call: PyTorch's caching allocator ties it to the stream, where
     # one kept per thread could be overwritten by a call on another stream still reading it
-    flat = _SCRATCH.take(numel, acc) if device.type == "cpu" else \
+    flat = getattr(_WORKER, "scratch", _SCRATCH).take(numel, acc) if device.type == "cpu" \
+        else \
         torch.empty(numel, dtype=acc, device=device)
     at = -(flat.data_ptr() // flat.element_size()) % 16
     for name, shape in shapes.items():
@@ -233,8 +286,9 @@ def run_chain(chain, fns, env, out, chunk_size):
     gamma_kv = None
     if env.get("gamma") is not None:   # the kv calls' decay: each group's first query head
         gamma_kv = env["gamma"] if Hkv == H else env["gamma"][::H // Hkv].contiguous()
-    if device.type == "cpu":   # (every worker: `decode_` may have left this thread on one)
-        use_threads(default_threads())
+    if device.type == "cpu":   # (every worker: `decode_` may have left this thread on one; a
+        # block worker of `_segmented` runs on its own)
+        use_threads(1 if hasattr(_WORKER, "scratch") else default_threads())
     for call, fn in zip(chain.calls, fns):
         fn(*call_arguments(call, env, nc, gamma_kv))
     return out

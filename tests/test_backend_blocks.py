@@ -92,6 +92,50 @@ def test_large_inputs_run_in_head_blocks(op, fit, monkeypatch):
                        want_st[name]) <= 1e-4, name
 
 
+@pytest.mark.parametrize("op", ["hla2", "ahla"])
+def test_blocks_of_fewer_heads_than_workers_run_at_once(op, monkeypatch):
+    """Where the budget leaves blocks of fewer heads than TVM workers (one head each here, two
+    workers), the blocks run at once on threads of one worker each, each within half the
+    budget (in segments of T), and the prefill still equals the float64 serial recurrence
+    from a nonzero state."""
+    from hla_tvm import backend
+    from hla_tvm.ops import chains
+
+    ref, kw = OPS[op]
+    B, H, T, d, n = 2, 3, 70, 8, 16
+    fam = "hla2" if op == "hla2" else op
+    per_chunk = backend.scratch_per_chunk(chains.prefill(fam), d, d, n) * 4
+    monkeypatch.setattr(backend, "SCRATCH_BYTES", 2 * 2 * per_chunk)   # 2 chunks a worker
+    monkeypatch.setattr(backend, "default_threads", lambda: 2)
+    ran, taken = [], []
+    real_workers, real_segments = backend._block_workers, backend._run_segments
+
+    def workers(count):
+        ran.append(count)
+        return real_workers(count)
+
+    def segments(*args, **kwargs):
+        taken.append((args[9] if len(args) > 9 else kwargs.get("budget"), args[1].shape))
+        return real_segments(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_block_workers", workers)
+    monkeypatch.setattr(backend, "_run_segments", segments)
+    q, k, v = make_qkv(B, H, T, d, d, seed=21)
+    q0, k0, v0 = make_qkv(B, H, 5, d, d, seed=22)
+    st0 = ref.serial(q0, k0, v0)[1]
+    want, want_st = ref.serial(q, k, v, state=st0)
+    given = {name: x.float().contiguous() for name, x in st0.items()}
+    out, st = hla(q.float(), k.float(), v.float(), state=given, return_state=True,
+                  chunk_size=n, **kw)
+    assert ran == [2]
+    assert len(taken) == B * H and all(budget == 2 * per_chunk for budget, _ in taken)
+    assert backend.segment_tokens(chains.prefill(fam), 1, 1, d, d, n, torch.float32,
+                                  2 * per_chunk) == 2 * n   # (segments of 2 chunks)
+    assert rel_err(out, want) <= 1e-4
+    for name, x in st.items():
+        assert rel_err(x, want_st[name]) <= 1e-4, name
+
+
 @pytest.mark.parametrize("fam", ["hla2", "hla2_decay", "ahla", "hla3"])
 def test_key_value_work_runs_once_per_key_value_head(fam):
     """The prefill calls that run on the key/value heads advance exactly the operator's
