@@ -153,9 +153,8 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
     blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc) \
         if q.device.type == "cpu" else [(0, B, 0, H)]
     group = H // Hkv
-    budget = None
 
-    def block(bounds):
+    def block(bounds, budget=None):
         b0, b1, h0, h1 = bounds
         kv = slice(h0 // group, h1 // group)
         # (validate.state: key/value-head entries have Hkv heads, query-head ones H)
@@ -176,9 +175,9 @@ def _segmented(chain, q, k, v, gamma, state, chunk_size, run):
         # blocks of fewer heads than workers: sequential over chunks, a block's scans and
         # carry would keep one core busy; the blocks run at once instead, one worker each,
         # within the same scratch in all
-        budget = SCRATCH_BYTES // workers
-        blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc, budget)
-        list(_block_workers(workers).map(block, blocks))
+        share = SCRATCH_BYTES // workers
+        blocks = head_blocks(chain, B, H, Hkv, T, dk, dv, chunk_size, acc, share)
+        list(_block_workers(workers).map(lambda bounds: block(bounds, share), blocks))
     else:
         for bounds in blocks:
             block(bounds)
@@ -275,9 +274,10 @@ def run_chain(chain, fns, env, out, chunk_size):
     numel, acc, device = sum(sizes.values()) + 16, state_dtype(env["q"].dtype), env["q"].device
     # on a GPU a fresh buffer per call: PyTorch's caching allocator ties it to the stream, where
     # one kept per thread could be overwritten by a call on another stream still reading it
-    flat = getattr(_WORKER, "scratch", _SCRATCH).take(numel, acc) if device.type == "cpu" \
-        else \
-        torch.empty(numel, dtype=acc, device=device)
+    if device.type == "cpu":   # (a block worker of `_segmented` has a buffer of its own)
+        flat = getattr(_WORKER, "scratch", _SCRATCH).take(numel, acc)
+    else:
+        flat = torch.empty(numel, dtype=acc, device=device)
     at = -(flat.data_ptr() // flat.element_size()) % 16
     for name, shape in shapes.items():
         env[name] = flat[at:at + math.prod(shape)].view(shape)

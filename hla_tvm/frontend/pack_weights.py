@@ -28,6 +28,41 @@ def panel_width(n, target):
     return tile_shape(1, n, vector_lanes(target))[1]
 
 
+def weight_operand(expr, lookup):
+    """(the float32 2-d Relax constant that a matmul's right operand `expr` is, directly or
+    through a 2-d transpose; whether transposed), following variable bindings (lookup(var):
+    the value bound to it, or None), or None. Only the constant's type is read: nothing is
+    copied."""
+    import tvm
+    from tvm import relax
+
+    permute_op = tvm.ir.Op.get("relax.permute_dims")
+    transposed = False
+    for _ in range(64):
+        bound = lookup(expr) if isinstance(expr, relax.Var) else None
+        if bound is not None:
+            expr = bound
+        elif isinstance(expr, relax.Call) and expr.op.same_as(permute_op) and not transposed:
+            axes = expr.attrs.axes
+            if axes is not None and [int(a) for a in axes] != [1, 0]:
+                return None
+            expr, transposed = expr.args[0], True
+        else:
+            break
+    ty = getattr(expr, "ty", None)
+    if not isinstance(expr, tvm.ir.expr.Constant) or getattr(ty, "ndim", None) != 2 or \
+            str(ty.dtype) != "float32":
+        return None
+    return expr, transposed
+
+
+def weight_matrix(found):
+    """The [K, N] numpy array of `weight_operand`'s result."""
+    const, transposed = found
+    data = const.value.numpy()
+    return np.ascontiguousarray(data.T) if transposed else data
+
+
 def pack_weights(mod, sch, target):
     """(`mod` with its weights stored under the scheme `sch` (None: float32) in the layout of
     `target` (`panel_width`), {"packed": count, "kept": [shapes left as they were],
@@ -40,8 +75,7 @@ def pack_weights(mod, sch, target):
     from ..quant.panels import to_panels
     from ..quant.scheme import nbytes, quantize
 
-    matmul_op, permute_op, take_op = (tvm.ir.Op.get(f"relax.{n}")
-                                      for n in ("matmul", "permute_dims", "take"))
+    matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
     packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width) or None
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
     phase = {"products": True}   # the pass rewrites the products, or the lookups
@@ -88,16 +122,8 @@ def pack_weights(mod, sch, target):
     class _Pack(relax.PyExprMutator):
         def _weight(self, expr):
             """The float32 [K, N] weight a matmul's right operand is, or None."""
-            const, call = constant(expr, self.lookup_binding)
-            if const is not None:
-                return float_matrix(const)
-            if isinstance(call, relax.Call) and call.op.same_as(permute_op):
-                axes = call.attrs.axes
-                if axes is None or [int(a) for a in axes] == [1, 0]:
-                    inner, _ = constant(call.args[0], self.lookup_binding)
-                    data = None if inner is None else float_matrix(inner)
-                    return None if data is None else np.ascontiguousarray(data.T)
-            return None
+            found = weight_operand(expr, self.lookup_binding)
+            return None if found is None else weight_matrix(found)
 
         def _call(self, name, data, w):
             """call_tir of the kernel `name` ("matmul": data = x; "take": data = ids) on the

@@ -25,34 +25,9 @@ def parallel_products(mod, *, min_weights=2):
     import tvm
     from tvm import relax
 
-    matmul_op, permute_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "permute_dims"))
+    from .pack_weights import weight_matrix, weight_operand
 
-    def weight(expr, bound):
-        """(the float32 [K, N] Relax constant `expr` is, directly or through a 2-d transpose of
-        an [N, K] one; whether transposed), or None."""
-        transposed = False
-        for _ in range(8):
-            if isinstance(expr, relax.Var) and expr in bound:
-                expr = bound[expr]
-            elif isinstance(expr, relax.Call) and expr.op.same_as(permute_op) and \
-                    not transposed:
-                axes = expr.attrs.axes
-                if axes is not None and [int(a) for a in axes] != [1, 0]:
-                    return None
-                expr, transposed = expr.args[0], True
-            else:
-                break
-        ty = getattr(expr, "ty", None)
-        if not isinstance(expr, tvm.ir.expr.Constant) or getattr(ty, "ndim", None) != 2 or \
-                str(ty.dtype) != "float32":
-            return None
-        return expr, transposed
-
-    def as_matrix(found):
-        """The [K, N] numpy array of `weight`'s result."""
-        const, transposed = found
-        data = const.value.numpy()
-        return np.ascontiguousarray(data.T) if transposed else data
+    matmul_op = tvm.ir.Op.get("relax.matmul")
 
     def static_k(x):
         """x's last dimension as an int, or None (unknown or symbolic)."""
@@ -75,7 +50,7 @@ def parallel_products(mod, *, min_weights=2):
                         v.attrs.out_dtype not in (None, "", "float32", "void"):
                     continue
                 x, k = v.args[0], static_k(v.args[0])
-                w = None if k is None else weight(v.args[1], bound)
+                w = None if k is None else weight_operand(v.args[1], bound.get)
                 if w is None:
                     continue
                 const, transposed = w
@@ -83,7 +58,7 @@ def parallel_products(mod, *, min_weights=2):
                     found.setdefault(x, []).append((b.var, w))
             for members in found.values():
                 if len(members) >= min_weights:
-                    plan[members[0][0]] = [(var, as_matrix(w)) for var, w in members]
+                    plan[members[0][0]] = [(var, weight_matrix(w)) for var, w in members]
         return plan
 
     @relax.expr_functor.mutator

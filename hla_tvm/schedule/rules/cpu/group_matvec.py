@@ -62,7 +62,7 @@ def schedule(sch, lanes):
     # the batch is symbolic, as one stream runs a static entry of its own (`compiler.
     # with_decode_one`): in a symbolic batch's kernel two at a time made one entry slower (the
     # predicated second row; docs/cpu_schedules.md)
-    if (entries is None or entries > 1) and (not pairs or entries is None):
+    if entries is None or (entries > 1 and not pairs):
         bo, rows = sch.split(sch.fuse(*lead), factors=[None, BATCH_ROWS])
         lead = [bo]
         sch.reorder(no, bo, g, rows, ni)
