@@ -224,8 +224,11 @@ def _readme(info):
             "copied elsewhere, put them beside the binary"
             + (" (with `libtvm_runtime_cuda.so` and `libcudart.so.13`)" if gpu else "")
             + ". Both programs take `--temperature T --top-k K --seed S` for seeded sampling "
-            "(greedy by default; the two programs' samplers draw differently) and print the "
-            "prompt and the generated text (--text) or the generated token ids on one line.")
+            "(defaults as `hla-tvm run`: --text samples at temperature 0.9 from the 40 most "
+            "likely bytes, --prompt is greedy; --temperature 0 makes --text greedy too, and "
+            "then the two programs print the same text, while their samplers draw differently) "
+            "and print the prompt and the generated text (--text) or the generated token ids "
+            "on one line.")
     where = f"an NVIDIA GPU ({info['gpu']}) in an {info['arch']} Linux machine" if gpu else \
         f"{info['arch']} Linux"
     return f"""# hla_tvm bundle

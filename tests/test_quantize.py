@@ -18,7 +18,7 @@ FAST = {
     "test_int4_nibbles_sit_in_byte_rows",
     "test_bf16_rounds_as_torch_does",
     "test_bad_schemes_are_refused_naming_the_argument",
-    "test_the_command_refuses_a_group_size_for_bf16_in_one_line",
+    "test_the_command_refuses_a_group_size_it_cannot_use_in_one_line",
     "test_compiled_model_equals_pytorch_with_dequantized_weights[int4-None-True-32]",
 }
 
@@ -95,15 +95,21 @@ def test_bad_schemes_are_refused_naming_the_argument(kwargs, match, tmp_path):
     assert not (tmp_path / "m.so").exists()
 
 
-def test_the_command_refuses_a_group_size_for_bf16_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("flags, says", [
+    (["--quantize", "bf16", "--group-size", "32"], "--group-size applies to --quantize int8 and "
+                                                   "int4, not bf16"),
+    (["--group-size", "64"], "--group-size applies to --quantize int8 or int4: give --quantize"),
+])
+def test_the_command_refuses_a_group_size_it_cannot_use_in_one_line(tmp_path, capsys, flags,
+                                                                     says):
+    """The command's message names its own flags (not the Python arguments)."""
     from hla_tvm.cli import main
     from hla_tvm.models import HLALM
 
     HLALM(40, 32, 1, 4).save(tmp_path / "m.pt")
-    assert main(["compile", str(tmp_path / "m.pt"), "-o", str(tmp_path / "m.so"),
-                 "--quantize", "bf16", "--group-size", "32"]) == 2
+    assert main(["compile", str(tmp_path / "m.pt"), "-o", str(tmp_path / "m.so"), *flags]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "group_size applies to int8 and int4" in err, err
+    assert len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "m.so").exists()
 
 
@@ -174,6 +180,20 @@ def test_weights_that_do_not_split_into_groups_stay_float32(tmp_path_factory):
     _, mod = _check_against_pytorch(model, path, scheme("int4"))
     quant = mod.meta["quantize"]
     assert quant["packed"] == 1 and len(quant["kept"]) == 4, quant
+
+
+def test_the_command_says_what_it_packed_and_warns_of_what_it_kept(tmp_path, capsys):
+    """`compile --quantize` prints the packed weights; where a weight's K does not split into
+    the groups it stays float32, and the command warns (the module runs)."""
+    from hla_tvm.cli import main
+    from hla_tvm.models import HLALM
+
+    HLALM(40, 32, 1, 4).save(tmp_path / "m.pt")
+    assert main(["compile", str(tmp_path / "m.pt"), "-o", str(tmp_path / "m.so"),
+                 "--quantize", "int4", "--group-size", "128"]) == 0
+    out, err = capsys.readouterr()
+    assert "weights: int4 (group 128), 1 packed" in out, out
+    assert "warning: 4 of 5 weights stay float32" in err and "--group-size 128" in err, err
 
 
 def test_states_and_metadata_of_another_scheme_are_refused(tmp_path_factory, tmp_path, capsys):

@@ -38,6 +38,18 @@ def quantize_arguments(p, what):
                         "per output channel)")
 
 
+def checked_scheme(args):
+    """The `quant.Scheme` of a command's --quantize and --group-size (None without
+    --quantize); ValueError naming the flags for a combination the scheme refuses."""
+    from ..quant.scheme import scheme
+
+    if args.group_size is not None and args.quantize is None:
+        raise ValueError("--group-size applies to --quantize int8 or int4: give --quantize too")
+    if args.group_size is not None and args.quantize == "bf16":
+        raise ValueError("--group-size applies to --quantize int8 and int4, not bf16")
+    return scheme(args.quantize, args.group_size)
+
+
 def decay(text):
     """argparse type: a decay factor in (0, 1]."""
     try:

@@ -246,4 +246,6 @@ def _table(report, out):
         out("note: " + note)
     m = report["machine"]
     out(f"({m['cpu']}, {m['cores']} cores, {m['isa']}; {report['date']}; fastest of "
-        f"{report['rounds']} rounds; 'vs tvm f32': its time over this case's)")
+        f"{report['rounds']} rounds; 'vs tvm f32': tvm float32's time over this case's, above 1 "
+        "where the case is faster; 'floor <scheme>': reading that scheme's weight bytes once, "
+        "the least a decode step of batch 1 can take)")

@@ -20,7 +20,8 @@ def add_arguments(p):
                    help="with --clear: delete the tuned records under schedules/ too")
 
 
-_CACHE_KINDS = {"kernels": "compiled kernel modules", "models": "the demo's compiled models",
+_CACHE_KINDS = {"kernels": "compiled kernel modules",
+                "models": "compiled models (of demo and bench model)",
                 "device": "CUDA device code", "emulator": "emulated CUDA kernels",
                 "runtime": "TVM runtimes of other architectures",
                 "records": "tuned records (hla-tvm tune)"}

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from .args import describe_target, positive, quantize_arguments
+from .args import checked_scheme, describe_target, positive, quantize_arguments
 
 
 def add_arguments(p):
@@ -50,9 +51,8 @@ def main(args):
         target = {**(target if isinstance(target, dict) else {"kind": "cuda"}), "arch": args.arch}
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     from .. import validate
-    from ..quant import scheme
 
-    scheme(args.quantize, args.group_size)   # and a bad scheme (--group-size with bf16)
+    checked_scheme(args)   # and a bad scheme (--group-size without --quantize, or with bf16)
 
     validate.output_path("-o", args.output)   # and a bad output path
     validate.not_an_input("-o", args.output, args.checkpoint)
@@ -77,6 +77,8 @@ def main(args):
                             schedules=args.schedules, quantize=args.quantize,
                             group_size=args.group_size, tokenizer=args.tokenizer)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
+    if args.quantize is not None:
+        _report_weights(out)
     if tgt.kind.name == "cuda":
         from ..runtime.device_code import folder_beside
 
@@ -85,3 +87,20 @@ def main(args):
               if os.path.isdir(shipped) else "no nvcc here: the GPU machine builds the device "
               "code when it loads the module (it needs nvcc there)")
     return 0
+
+
+def _report_weights(path):
+    """Print the packed weights of the module at `path`, and a warning for the weights its
+    scheme left float32 (K not a multiple of the group size)."""
+    from ..runtime import read_meta
+    from ..runtime.model import weights_summary
+
+    meta = read_meta(path)
+    print(f"weights: {weights_summary(meta)}")
+    quant = meta.get("quantize") or {}
+    kept, packed = len(quant.get("kept") or ()), quant.get("packed") or 0
+    if kept:
+        print(f"warning: {'no weight was packed: ' if not packed else ''}{kept} of "
+              f"{kept + packed} weights stay float32: their input width K is not a multiple of "
+              f"--group-size {quant.get('group_size')} (a smaller group size packs them)",
+              file=sys.stderr)

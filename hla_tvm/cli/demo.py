@@ -88,7 +88,7 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantiz
         except ValueError:
             pass   # damaged: compiled again below
     with progress_line(f"compiling {os.path.basename(str(checkpoint))}"
-                       + (f" ({quantize} weights)" if quantize else "") + " for "
+                       + (f", {quantize} weights," if quantize else "") + " for "
                        f"{target.attrs.get('mcpu') or target.kind.name} (first run only; "
                        "cached in " + os.path.dirname(path) + ") ..."):
         compile_model(model, target=target, out=path, schedules=schedules, quantize=quantize,
@@ -137,14 +137,18 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     m = load(path)
     if sch is not None:
         from ..quant.torch_weights import dequantized_model
-        from ..runtime.model import scheme_name
+        from ..runtime.model import weights_summary
 
         float_model, model = model, dequantized_model(model, sch)   # what the module computes
-        print(f"weights: {scheme_name(m.meta)}, {m.meta['quantize']['bytes'] / 1e6:.2f} MB "
-              f"(float32 {m.meta['quantize']['float_bytes'] / 1e6:.2f} MB)", flush=True)
+        print(f"weights: {weights_summary(m.meta)}", flush=True)
     decode = text_decoder()
+    tty = sys.stdout.isatty()
+    how = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
+    print("the prompt" + (" (dimmed)" if tty else "") + f", then the model's continuation "
+          f"({tokens} bytes, {how}):")
     print("-" * 72)
-    sys.stdout.write(prompt)
+    # the prompt dimmed on a terminal, so the model's first byte shows where it starts
+    sys.stdout.write(f"\033[2m{prompt}\033[0m" if tty else prompt)
 
     def show(tok):
         sys.stdout.write(decode([tok]))

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .args import positive, quantize_arguments
+from .args import checked_scheme, positive, quantize_arguments
 
 
 def add_arguments(p):
@@ -24,7 +24,7 @@ def add_arguments(p):
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="compiled modules (.so), checkpoints (HLALM.save) or module:factory "
                         "(your own model, in PyTorch); the first is the reference of the "
-                        "differences")
+                        "differences. An ONNX model: `hla-tvm compile` it first")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--file", help="the text: its bytes for byte-level models, "
                                      "whitespace-separated token ids for others")
@@ -83,6 +83,9 @@ def _open(path, sch=None):
         from ..runtime import load
 
         return ModuleLM(load(path))
+    if str(path).endswith(".onnx"):
+        raise ValueError(f"{path}: an ONNX model; eval takes compiled modules and checkpoints: "
+                         f"`hla-tvm compile {path} -o model.so`, then eval model.so")
     from ..models.source import load
 
     model = load(path)
@@ -149,9 +152,8 @@ def evaluate(models, ids, piece):
 
 
 def main(args):
-    from ..quant import scheme
 
-    sch = scheme(args.quantize, args.group_size)
+    sch = checked_scheme(args)
     if sch is not None and all(str(p).endswith(".so") for p in args.models):
         raise ValueError("--quantize applies to checkpoints and module:factory models (run in "
                          "PyTorch); compiled modules keep the scheme they were compiled with, "
@@ -172,10 +174,11 @@ def main(args):
           f"{args.piece} a prefill call", flush=True)
     results = evaluate(models, ids, args.piece)
     width = max(len(str(p)) for p in args.models)
-    print(f"{'model':<{width}}  {'weights':<28} {unit:>10} {'vs first':>9} "
+    wide = max(len("weights"), *(len(m.weights) for m in models))
+    print(f"{'model':<{width}}  {'weights':<{wide}} {unit:>10} {'vs first':>9} "
           f"{'max |logit diff|':>17}")
     for path, m, r in zip(args.models, models, results):
-        print(f"{str(path):<{width}}  {m.weights:<28} {r['bits']:>10.4f} "
+        print(f"{str(path):<{width}}  {m.weights:<{wide}} {r['bits']:>10.4f} "
               f"{r['bits'] - results[0]['bits']:>+9.4f} {r['max_logit_diff']:>17.4g}")
     if args.json:
         from ..runtime.paths import replacing

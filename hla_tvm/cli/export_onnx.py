@@ -2,7 +2,7 @@
 bodies."""
 from __future__ import annotations
 
-from .args import quantize_arguments
+from .args import checked_scheme, quantize_arguments
 
 
 def add_arguments(p):
@@ -27,9 +27,8 @@ def main(args):
     from .. import validate
     from ..models.source import load
     from ..onnx import export
-    from ..quant import scheme
 
-    scheme(args.quantize, args.group_size)   # a bad scheme fails before any model work
+    checked_scheme(args)   # a bad scheme fails before any model work
     validate.output_path("-o", args.output)
     validate.not_an_input("-o", args.output, args.checkpoint)
     model = load(args.checkpoint)

@@ -79,7 +79,7 @@ def _module_info(path, meta):
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
     from ..bundle import elf_machine
-    from ..runtime.model import scheme_name
+    from ..runtime.model import weights_summary
 
     host = elf_machine(path)
     lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
@@ -98,12 +98,7 @@ def _module_info(path, meta):
     for key in ("weights_sha256", "onnx_sha256"):
         if meta.get(key):
             lines.append(f"{key}: {meta[key]}")
-    quant = meta.get("quantize")
-    lines.append(f"weights: {scheme_name(meta)}" + (
-        f", {quant.get('packed')} packed ({quant.get('bytes', 0) / 1e6:.2f} MB, float32 "
-        f"{quant.get('float_bytes', 0) / 1e6:.2f} MB)" + (
-            f", {len(quant['kept'])} kept float32 (K not a multiple of the group)"
-            if quant.get("kept") else "") if quant else ""))
+    lines.append(f"weights: {weights_summary(meta)}")
     sched = meta.get("schedules")
     if sched is None:
         lines.append("schedules: default (compiled before tuned records were recorded)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .args import positive, quantize_arguments
+from .args import checked_scheme, positive, quantize_arguments
 
 DESCRIPTION = ("Tune the prefill and decode kernels of one operator configuration "
                "(--op and options) or the HLA kernels and projections of a model "
@@ -101,9 +101,8 @@ def main(args):
         raise ValueError(f"this machine cannot run code for {target.attrs.get('mtriple')}: "
                          "measure on the device with --rpc-tracker HOST:PORT --rpc-key KEY")
     runner = tune.rpc_runner(*rpc) if rpc else None   # (an unreachable tracker fails here)
-    from ..quant import scheme
 
-    sch = scheme(args.quantize, args.group_size)
+    sch = checked_scheme(args)
     if sch is not None and not args.model:
         raise ValueError("--quantize applies to a model's projections: give a model")
     if args.model:

@@ -91,6 +91,20 @@ def scheme_name(meta):
                               " (per channel)" if quant["scheme"] == "int8" else "")
 
 
+def weights_summary(meta):
+    """The weights a module's metadata records, one line for people: the scheme, and for a
+    quantized module how many weights are packed (their bytes, and those of float32) and how
+    many a scheme left float32."""
+    quant = meta.get("quantize")
+    if not quant:
+        return scheme_name(meta)
+    kept = quant.get("kept") or ()
+    mb = {key: quant.get(key, 0) / 1e6 for key in ("bytes", "float_bytes")}
+    return (f"{scheme_name(meta)}, {quant.get('packed')} packed ({mb['bytes']:.2f} MB, "
+            f"float32 {mb['float_bytes']:.2f} MB)"
+            + (f", {len(kept)} kept float32 (K not a multiple of the group)" if kept else ""))
+
+
 def load(path, device="cpu", threads=None):
     """The compiled model at `path` on `device`: "cpu" for a module compiled for a CPU target,
     "cuda" or "cuda:N" for one compiled for a CUDA target (the state then lives on that GPU);
@@ -413,7 +427,8 @@ class CompiledModel:
             else:
                 lo, hi = arr.min(), arr.max()
             if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got [{lo}, {hi}]")
+                raise ValueError(f"{what} must lie in [0, {self.vocab_size}), got "
+                                 f"{lo if lo < 0 else hi}")
         self._check_batch(arr.shape[0], what)
         # numpy arrays go to the module through DLPack, no copy
         return np.ascontiguousarray(arr, dtype=np.int64)
