@@ -6,6 +6,7 @@ test_tune_rpc.py; its option parsing is not run here.)"""
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -76,6 +77,43 @@ def test_kernels_from_records_match_the_serial_recurrence(tuned_dir):
                  schedules=str(tuned_dir))
     want1, _ = hla3.serial(q1, k1, v1, state=want_st)
     assert rel_err(o1, want1[:, :, 0]) < 1e-4
+
+
+def test_packed_records_hold_the_same_records(tuned_dir, tmp_path):
+    """A folder whose files are xz-compressed (`records.pack`, as the shipped folders keep
+    them) gives the same record for every workload; `unpack` (which `hla-tvm tune` runs on
+    its output folder) writes back the plain files byte for byte; a damaged compressed file is
+    refused naming it; and the kernels from the packed records match the serial recurrence."""
+    import lzma
+
+    packed = tmp_path / "packed"
+    shutil.copytree(tuned_dir, packed, ignore=shutil.ignore_patterns("work"))
+    records.pack(str(packed))
+    assert sorted(os.listdir(packed)) == sorted(f + records.PACKED for f in records.FILES)
+    for name in records.FILES:
+        assert lzma.decompress((packed / (name + records.PACKED)).read_bytes()) == \
+            (tuned_dir / name).read_bytes()
+    plain, db = records.load(str(tuned_dir)), records.load(str(packed))
+    mine = plain.get_all_tuning_records()
+    assert len(mine) == len(db.get_all_tuning_records()) > 0
+    for rec in mine:
+        top = db.get_top_k(db.commit_workload(rec.workload.mod), 1)
+        assert str(top[0].trace) == str(rec.trace)
+    q, k, v = make_qkv(1, 2, 37, 8, 8, seed=5)
+    want, _ = hla3.serial(q, k, v)
+    out = hla(q.float(), k.float(), v.float(), order=3, chunk_size=16, schedules=str(packed))
+    assert rel_err(out, want) < 1e-4
+    unpacked = tmp_path / "unpacked"
+    shutil.copytree(packed, unpacked)
+    records.unpack(str(unpacked))
+    for name in records.FILES:
+        assert (unpacked / name).read_bytes() == (tuned_dir / name).read_bytes()
+    broken = tmp_path / "broken"
+    shutil.copytree(packed, broken)
+    f = broken / (records.FILES[1] + records.PACKED)
+    f.write_bytes(f.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="not a readable xz file"):
+        records.load(str(broken))
 
 
 def test_auto_finds_the_records_of_the_target(tuned_dir, tmp_path, monkeypatch, capsys):

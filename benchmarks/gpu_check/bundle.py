@@ -83,9 +83,9 @@ def prepare(args):
     tracked = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True)
     tree = sum(os.path.getsize(os.path.join(ROOT, p)) for p in
                tracked.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p)))
-    if (size + tree) / 2**20 > 60:   # what one device call carries: 64 MiB in all
-        print(f"warning: bundle and checkout together are {(size + tree) / 2**20:.1f} MiB, near "
-              "the 64 MiB one device call carries", flush=True)
+    total = (size + tree) / 2**20   # what one device call carries: 64 MiB in all
+    print(f"bundle and checkout together: {total:.1f} MiB of the 64 MiB one device call "
+          "carries" + (" (over: leave modules or models out)" if total > 64 else ""), flush=True)
 
 
 def pack_tvm_runtime(package, out):

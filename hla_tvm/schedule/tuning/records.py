@@ -1,8 +1,9 @@
 """Tuned schedule records: where they live, reading them, and applying one to a kernel.
 
 A records folder is a meta_schedule JSON database (`database_workload.json`,
-`database_tuning_record.json`) holding, per kernel, its best tuned schedule where that beat the
-default by `tune.MARGIN`, else its default schedule. A workload is the kernel specialized to
+`database_tuning_record.json`, each plain or xz-compressed as `<name>.xz`: the shipped folders
+keep them compressed, 15x smaller) holding, per kernel, its best tuned schedule where that beat
+the default by `tune.MARGIN`, else its default schedule. A workload is the kernel specialized to
 the tuning shape (`TUNE_SHAPE`: the shapes a prefill or decode of that size calls it with,
 `chain_shapes`; a model's projections at batch 1 and that length, `model.matmuls`); the record's
 trace replays on the kernel with symbolic batch, heads and length, so one record serves every
@@ -25,6 +26,64 @@ from ..shapes import TUNE_SHAPE, chain_shapes, specialize, tuning_kernels  # noq
 
 SHAPES_ATTR = "hla_tvm.tune_shapes"   # a model's kernel: its argument shapes at TUNE_SHAPE (JSON)
 FILES = ("database_workload.json", "database_tuning_record.json")
+PACKED = ".xz"   # a file of FILES stored xz-compressed (`pack`); the plain one wins where both are
+
+
+def stored(path, name):
+    """The file that holds `name` (one of FILES) in the records folder `path`: the plain file,
+    else its packed form, else None."""
+    for candidate in (name, name + PACKED):
+        file = os.path.join(path, candidate)
+        if os.path.isfile(file):
+            return file
+    return None
+
+
+def _contents(file):
+    """The bytes of a records file, decompressed where it is packed; ValueError naming it when
+    its compression is damaged."""
+    import lzma
+
+    with open(file, "rb") as f:
+        data = f.read()
+    if not file.endswith(PACKED):
+        return data
+    try:
+        return lzma.decompress(data)
+    except lzma.LZMAError as err:
+        raise ValueError(f"{file}: not a readable xz file ({err}); delete the folder or tune "
+                         "again") from None
+
+
+def pack(path):
+    """Store the records folder `path`'s files xz-compressed (`<name>.xz`, the plain ones
+    removed), as the shipped folders keep them."""
+    import lzma
+
+    from ...runtime.paths import replacing
+
+    for name in FILES:
+        plain = os.path.join(path, name)
+        if os.path.isfile(plain):
+            with open(plain, "rb") as f:
+                data = lzma.compress(f.read(), preset=9 | lzma.PRESET_EXTREME)
+            with replacing(plain + PACKED, "wb") as f:
+                f.write(data)
+            os.remove(plain)
+
+
+def unpack(path):
+    """Write the plain file of each of FILES that `path` holds packed only (meta_schedule's
+    JSONDatabase, which `hla-tvm tune` adds its records to, reads plain files): the folder's
+    records are kept when tuning writes into it."""
+    from ...runtime.paths import replacing
+
+    for name in FILES:
+        plain = os.path.join(path, name)
+        if not os.path.isfile(plain) and os.path.isfile(plain + PACKED):
+            data = _contents(plain + PACKED)
+            with replacing(plain, "wb") as f:
+                f.write(data)
 
 
 def target_folder(target):
@@ -65,11 +124,11 @@ def resolve(schedules, target):
     if schedules == "auto":
         for root in (user_root(), package_root()):
             path = os.path.join(root, target_folder(target))
-            if all(os.path.isfile(os.path.join(path, f)) for f in FILES):
+            if all(stored(path, f) for f in FILES):
                 return path
         return None
     path = os.fspath(schedules)
-    missing = [f for f in FILES if not os.path.isfile(os.path.join(path, f))]
+    missing = [f for f in FILES if not stored(path, f)]
     if missing:
         raise ValueError(f"schedules={path!r} is not a records folder: it lacks "
                          f"{', '.join(missing)} (write one with hla-tvm tune -o {path})")
@@ -101,13 +160,12 @@ def _notice_foreign(path, target):
     correct kernels, tuned for another machine)."""
     mine = (target.kind.name, str(target.attrs.get("mcpu", "") or ""))
     seen = set()
-    with open(os.path.join(path, FILES[1])) as f:
-        for line in f:
-            try:
-                t = json.loads(line)[1][2]
-                seen.add((t.get("kind"), str(t.get("mcpu", "") or "")))
-            except (ValueError, IndexError, TypeError, AttributeError):
-                continue
+    for line in _contents(stored(path, FILES[1])).splitlines():
+        try:
+            t = json.loads(line)[1][2]
+            seen.add((t.get("kind"), str(t.get("mcpu", "") or "")))
+        except (ValueError, IndexError, TypeError, AttributeError):
+            continue
     if seen and mine not in seen:
         names = ", ".join(sorted("-".join(x for x in t if x) for t in seen))
         warnings.warn(f"hla_tvm: the records in {path} were tuned for {names}, not for this "
@@ -138,13 +196,14 @@ def digest(path):
     key, so that new records never find a module built with the old ones."""
     h = hashlib.sha256()
     for name in FILES:
-        with open(os.path.join(path, name), "rb") as f:
+        with open(stored(path, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 
 
 def load(path):
-    """The meta_schedule JSONDatabase in `path`, checked first: ValueError naming the file and
+    """The records in `path` as a meta_schedule database (in memory: what its JSONDatabase
+    would read from the plain files), each line checked first: ValueError naming the file and
     line when it is truncated or corrupt, or when meta_schedule cannot read it (another TVM);
     read once per process and digest."""
     from tvm.s_tir import meta_schedule as ms
@@ -153,12 +212,15 @@ def load(path):
     with _LOCK:
         if key in _DATABASES:
             return _DATABASES[key]
-    workloads = _check_lines(os.path.join(path, FILES[0]), _check_workload)
-    _check_lines(os.path.join(path, FILES[1]), lambda x: _check_record(x, workloads))
+    files = [stored(path, name) for name in FILES]
+    workloads = _check_lines(files[0], _check_workload)
+    records = _check_lines(files[1], lambda x: _check_record(x, len(workloads)))
     register_intrinsics()   # traces that tensorize name them
+    db = ms.database.MemoryDatabase()
     try:
-        db = ms.database.JSONDatabase(*(os.path.join(path, f) for f in FILES),
-                                      allow_missing=False)
+        found = [db.commit_workload(ms.database.Workload.from_json(x).mod) for x in workloads]
+        for index, record in records:
+            db.commit_tuning_record(ms.database.TuningRecord.from_json(record, found[index]))
     except Exception as err:   # records of another TVM version or another layout
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path}: meta_schedule cannot read these records ({reason}); "
@@ -169,25 +231,25 @@ def load(path):
 
 
 def _check_lines(file, check):
-    """Number of records in `file` (one JSON value per line), each passed to check(), which
-    returns a reason when it is malformed; ValueError naming the file and line otherwise
-    (meta_schedule's reader would crash the process on some malformed records, and on a blank
-    line in the tuning records)."""
-    count = 0
-    with open(file, "rb") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                text = line.decode("utf-8")
-                reason = "a blank line" if not text.strip() else check(json.loads(text))
-            except UnicodeDecodeError as err:
-                reason = f"not UTF-8 text: {err.reason}"
-            except json.JSONDecodeError as err:
-                reason = str(err)
-            if reason:
-                raise ValueError(f"{file}:{n}: not a meta_schedule record ({reason}); delete "
-                                 "the folder or tune again")
-            count += 1
-    return count
+    """The records in `file` (one JSON value per line, plain or packed), each passed to
+    check(), which returns a reason when it is malformed; ValueError naming the file and line
+    otherwise (meta_schedule's reader would crash the process on some malformed records, and on
+    a blank line in the tuning records)."""
+    values = []
+    for n, line in enumerate(_contents(file).splitlines(keepends=True), 1):
+        try:
+            text = line.decode("utf-8")
+            value = json.loads(text) if text.strip() else None
+            reason = "a blank line" if not text.strip() else check(value)
+        except UnicodeDecodeError as err:
+            reason = f"not UTF-8 text: {err.reason}"
+        except json.JSONDecodeError as err:
+            reason = str(err)
+        if reason:
+            raise ValueError(f"{file}:{n}: not a meta_schedule record ({reason}); delete "
+                             "the folder or tune again")
+        values.append(value)
+    return values
 
 
 def _check_workload(x):

@@ -513,6 +513,7 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
             " (it found no more new candidates in these kernels' design spaces)"
             if measured < trials else ""))
     db = ms.database.JSONDatabase(work_dir=work)
+    records.unpack(out)   # a packed folder's records kept: the new ones are added to them
     final = ms.database.JSONDatabase(*(os.path.join(out, f) for f in records.FILES))
     report = {}
     for name in names:
