@@ -214,6 +214,8 @@ def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
 
 
 def _readme(info):
+    from .runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
+
     text = info["vocab"] == "bytes"
     prompt = '--text "def fib(" --steps 200' if text else "--prompt 5,9,2,33 --steps 12"
     if info["config"] is None:   # (an old module for another architecture: its metadata unread)
@@ -224,11 +226,11 @@ def _readme(info):
             "copied elsewhere, put them beside the binary"
             + (" (with `libtvm_runtime_cuda.so` and `libcudart.so.13`)" if gpu else "")
             + ". Both programs take `--temperature T --top-k K --seed S` for seeded sampling "
-            "(defaults as `hla-tvm run`: --text samples at temperature 0.9 from the 40 most "
-            "likely bytes, --prompt is greedy; --temperature 0 makes --text greedy too, and "
-            "then the two programs print the same text, while their samplers draw differently) "
-            "and print the prompt and the generated text (--text) or the generated token ids "
-            "on one line.")
+            f"(defaults as `hla-tvm run`: --text samples at temperature {TEXT_TEMPERATURE} from "
+            f"the {TEXT_TOP_K} most likely tokens, --prompt is greedy; --temperature 0 makes "
+            "--text greedy too, and then the two programs print the same text, while their "
+            "samplers draw differently) and print the prompt and the generated text (--text) "
+            "or the generated token ids on one line.")
     where = f"an NVIDIA GPU ({info['gpu']}) in an {info['arch']} Linux machine" if gpu else \
         f"{info['arch']} Linux"
     return f"""# hla_tvm bundle

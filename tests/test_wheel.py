@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_installed_wheel_finds_the_shipped_records(tmp_path):
-    pytest.importorskip("setuptools", reason="building a wheel needs setuptools")
+def _source(tmp_path):
+    """A copy of the files a build reads (the checkout's sources, records and apps)."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
@@ -23,14 +23,44 @@ def test_installed_wheel_finds_the_shipped_records(tmp_path):
     for name in ("hla_tvm", "schedules", "export"):
         shutil.copytree(os.path.join(ROOT, name), src / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
-                   check=True, capture_output=True)
-    wheel = next((tmp_path / "dist").glob("hla_tvm-*.whl"))
+    return src
+
+
+def _shipped():
+    """The records files of the checkout's schedules/, relative to it."""
     shipped = sorted(os.path.relpath(os.path.join(d, f), os.path.join(ROOT, "schedules"))
                      for d, _, files in os.walk(os.path.join(ROOT, "schedules"))
                      for f in files if f.endswith((".json", ".json.xz")))
     assert shipped, "no tuned records in schedules/"
+    return shipped
+
+
+def test_source_distribution_carries_the_records_and_apps(tmp_path):
+    """MANIFEST.in names every kind of file the wheel then copies (a wheel built from the
+    sdist, as pip does from PyPI, holds only what the sdist holds)."""
+    import tarfile
+
+    pytest.importorskip("setuptools", reason="building an sdist needs setuptools")
+    src = _source(tmp_path)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+                   cwd=src, check=True, capture_output=True)
+    sdist = next((tmp_path / "dist").glob("hla_tvm-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for f in [f"schedules/{f}" for f in _shipped()] + [
+            "hla_tvm/data/stdlib-hla2.pt", "export/cpp/main.cc", "export/cpp/CMakeLists.txt",
+            "export/python/generate.py"]:
+        assert f in names, f
+
+
+def test_installed_wheel_finds_the_shipped_records(tmp_path):
+    pytest.importorskip("setuptools", reason="building a wheel needs setuptools")
+    src = _source(tmp_path)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("hla_tvm-*.whl"))
+    shipped = _shipped()
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     assert all(f"hla_tvm/_schedules/{f}" in names for f in shipped)

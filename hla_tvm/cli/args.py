@@ -41,13 +41,9 @@ def quantize_arguments(p, what):
 def checked_scheme(args):
     """The `quant.Scheme` of a command's --quantize and --group-size (None without
     --quantize); ValueError naming the flags for a combination the scheme refuses."""
-    from ..quant.scheme import scheme
+    from ..quant.scheme import FLAGS, scheme
 
-    if args.group_size is not None and args.quantize is None:
-        raise ValueError("--group-size applies to --quantize int8 or int4: give --quantize too")
-    if args.group_size is not None and args.quantize == "bf16":
-        raise ValueError("--group-size applies to --quantize int8 and int4, not bf16")
-    return scheme(args.quantize, args.group_size)
+    return scheme(args.quantize, args.group_size, names=FLAGS)
 
 
 def decay(text):

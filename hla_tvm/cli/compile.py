@@ -77,8 +77,7 @@ def main(args):
                             schedules=args.schedules, quantize=args.quantize,
                             group_size=args.group_size, tokenizer=args.tokenizer)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
-    if args.quantize is not None:
-        _report_weights(out)
+    _report_weights(out)
     if tgt.kind.name == "cuda":
         from ..runtime.device_code import folder_beside
 
@@ -90,17 +89,23 @@ def main(args):
 
 
 def _report_weights(path):
-    """Print the packed weights of the module at `path`, and a warning for the weights its
-    scheme left float32 (K not a multiple of the group size)."""
+    """For a module with packed weights (--quantize, or an ONNX file that stores them), print
+    them, and a warning with the remedy where its scheme left weights float32 (their K not a
+    multiple of the group size)."""
+    from ..quant.scheme import GROUP_SIZES, Scheme, from_meta
     from ..runtime import read_meta
     from ..runtime.model import weights_summary
 
     meta = read_meta(path)
+    sch = from_meta(meta)
+    if sch is None:
+        return
     print(f"weights: {weights_summary(meta)}")
-    quant = meta.get("quantize") or {}
-    kept, packed = len(quant.get("kept") or ()), quant.get("packed") or 0
-    if kept:
-        print(f"warning: {'no weight was packed: ' if not packed else ''}{kept} of "
-              f"{kept + packed} weights stay float32: their input width K is not a multiple of "
-              f"--group-size {quant.get('group_size')} (a smaller group size packs them)",
-              file=sys.stderr)
+    ks = sorted({shape[0] for shape in meta["quantize"].get("kept") or ()})
+    if not ks:
+        return
+    fits = [g for g in GROUP_SIZES if all(Scheme(sch.name, g).fits(k) for k in ks)]
+    remedy = f"--group-size {fits[-1]} packs them" if fits else \
+        "int8 without --group-size (a scale per output channel) or bf16 packs them"
+    print(f"warning: weights with K = {', '.join(map(str, ks))} stay float32 (not a multiple "
+          f"of the group size {sch.group_size}); {remedy}", file=sys.stderr)

@@ -271,7 +271,9 @@ def add_arguments(p):
 
 def main(args):
     from ..target import parse
+    from .args import checked_scheme
 
+    checked_scheme(args)   # a bad scheme named by the flags, before any work
     return run(prompt=args.prompt, tokens=args.tokens, temperature=args.temperature,
                top_k=args.top_k, seed=args.seed, target=parse(args.target),
                quantize=args.quantize, group_size=args.group_size)

@@ -44,29 +44,34 @@ class Scheme:
         return self.group_size or k
 
 
-def scheme(quantize, group_size=None):
+ARGUMENTS = ("quantize", "group_size")   # how `scheme`'s errors name them (the CLI: flags)
+FLAGS = ("--quantize", "--group-size")
+
+
+def scheme(quantize, group_size=None, names=ARGUMENTS):
     """The checked Scheme for quantize= (None: no quantization, returns None) and group_size=
     (int4: default 32, one of GROUP_SIZES; int8: None for per output channel, else one of
-    GROUP_SIZES; bf16: must be None)."""
+    GROUP_SIZES; bf16: must be None). `names`: what the errors call the two (FLAGS for the
+    command line)."""
+    q, g = names
     if quantize is None:
         if group_size is not None:
-            raise ValueError("group_size is given without quantize=; quantize must be one of "
-                             f"{', '.join(SCHEMES)} to use it")
+            raise ValueError(f"{g} is given without {q}; give {q} int8 or int4 to use it")
         return None
     if not isinstance(quantize, str) or quantize not in SCHEMES:
-        raise ValueError(f"quantize must be None or one of {', '.join(SCHEMES)}, got "
+        raise ValueError(f"{q} must be None or one of {', '.join(SCHEMES)}, got "
                          f"{quantize!r}")
     if group_size is not None and (isinstance(group_size, bool) or
                                    not isinstance(group_size, int)):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        raise TypeError(f"{g} must be an int, got {type(group_size).__name__}")
     if quantize == "bf16":
         if group_size is not None:
-            raise ValueError("group_size applies to int8 and int4, not bf16")
+            raise ValueError(f"{g} applies to int8 and int4, not bf16")
         return Scheme("bf16")
     if quantize == "int4" and group_size is None:
         group_size = 32
     if group_size is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got "
+        raise ValueError(f"{g} must be one of {', '.join(map(str, GROUP_SIZES))}, got "
                          f"{group_size}")
     return Scheme(quantize, group_size)
 

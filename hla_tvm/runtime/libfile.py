@@ -140,9 +140,9 @@ def _checked(f, path, tag, what):
     f.seek(max(0, size - TRAILER))
     trailer = f.read(TRAILER)
     if len(head) < 4 or head[:4] != _ELF_MAGIC:
-        hint = "; it looks like a PyTorch checkpoint: `hla-tvm compile` makes a module of it" \
-            if head[:2] == b"PK" else "; an ONNX model: `hla-tvm compile` makes a module of " \
-            "it" if str(path).endswith(".onnx") else ""
+        kind = "a PyTorch checkpoint" if head[:2] == b"PK" and str(path).endswith(
+            (".pt", ".pth")) else "an ONNX model" if str(path).endswith(".onnx") else None
+        hint = f"; {kind}: `hla-tvm compile` makes a module of it" if kind else ""
         raise ValueError(f"{path}: not a {what} (no ELF shared-library header){hint}")
     if size < 64 + TRAILER or trailer[:len(HEAD)] != HEAD or trailer[-len(TAIL):] != TAIL:
         _check_elf(f, path, head, size, what)

@@ -2,14 +2,14 @@
 
 A records folder is a meta_schedule JSON database (`database_workload.json`,
 `database_tuning_record.json`, each plain or xz-compressed as `<name>.xz`: the shipped folders
-keep them compressed, 15x smaller) holding, per kernel, its best tuned schedule where that beat
-the default by `tune.MARGIN`, else its default schedule. A workload is the kernel specialized to
-the tuning shape (`TUNE_SHAPE`: the shapes a prefill or decode of that size calls it with,
-`chain_shapes`; a model's projections at batch 1 and that length, `model.matmuls`); the record's
-trace replays on the kernel with symbolic batch, heads and length, so one record serves every
-shape. Folders are per target (`target_folder`): the shipped `schedules/<target>/`
-(`package_root`) and the user's `~/.cache/hla_tvm/schedules/<target>/` (`hla-tvm tune` writes
-there by default).
+keep them compressed, about 30x smaller) holding, per kernel, its best tuned schedule where
+that beat the default by `tune.MARGIN`, else its default schedule. A workload is the kernel
+specialized to the tuning shape (`TUNE_SHAPE`: the shapes a prefill or decode of that size
+calls it with, `chain_shapes`; a model's projections at batch 1 and that length,
+`model.matmuls`); the record's trace replays on the kernel with symbolic batch, heads and
+length, so one record serves every shape. Folders are per target (`target_folder`): the shipped
+`schedules/<target>/` (`package_root`) and the user's `~/.cache/hla_tvm/schedules/<target>/`
+(`hla-tvm tune` writes there by default).
 
 schedules= on the API and the CLI: "auto" (the records for the target where they exist, else
 the default schedules), "default", or the path of a records folder."""
@@ -217,14 +217,23 @@ def load(path):
     records = _check_lines(files[1], lambda x: _check_record(x, len(workloads)))
     register_intrinsics()   # traces that tensorize name them
     db = ms.database.MemoryDatabase()
-    try:
-        found = [db.commit_workload(ms.database.Workload.from_json(x).mod) for x in workloads]
-        for index, record in records:
-            db.commit_tuning_record(ms.database.TuningRecord.from_json(record, found[index]))
-    except Exception as err:   # records of another TVM version or another layout
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path}: meta_schedule cannot read these records ({reason}); "
-                         "delete the folder or tune again with this TVM") from None
+
+    def commit(file, values, add):
+        for n, value in enumerate(values, 1):
+            try:
+                add(value)
+            except Exception as err:   # records of another TVM version or another layout
+                reason = str(err).strip().splitlines()[-1] if str(err).strip() else \
+                    type(err).__name__
+                raise ValueError(f"{file}:{n}: meta_schedule cannot read this record "
+                                 f"({reason}); delete the folder or tune again with this "
+                                 "TVM") from None
+
+    found = []
+    commit(files[0], workloads, lambda x: found.append(
+        db.commit_workload(ms.database.Workload.from_json(x).mod)))
+    commit(files[1], records, lambda x: db.commit_tuning_record(
+        ms.database.TuningRecord.from_json(x[1], found[x[0]])))
     with _LOCK:
         _DATABASES[key] = db
     return db

@@ -464,6 +464,7 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     _pickle_build_by_value()
     work = os.path.join(out, "work")
     os.makedirs(work, exist_ok=True)
+    records.unpack(out)   # a compressed folder's records kept (and a damaged one refused now)
     names = sorted(kernels)
 
     def runner_secs(funcs, args_info=None):
@@ -513,7 +514,6 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
             " (it found no more new candidates in these kernels' design spaces)"
             if measured < trials else ""))
     db = ms.database.JSONDatabase(work_dir=work)
-    records.unpack(out)   # a packed folder's records kept: the new ones are added to them
     final = ms.database.JSONDatabase(*(os.path.join(out, f) for f in records.FILES))
     report = {}
     for name in names:
