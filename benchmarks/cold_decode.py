@@ -18,8 +18,8 @@ import torch
 
 
 def main():
-    from hla_tvm import decode_, hla
-    from hla_tvm.decode import _PLANS
+    from hla_tvm import decode_, hla, options
+    from hla_tvm.decode import decode_plan
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -29,9 +29,9 @@ def main():
     _, st = hla(q[:, :, :16], k[:, :, :16], v[:, :, :16], return_state=True)
     q1, k1, v1 = (x[:, :, 16].contiguous() for x in (q, k, v))
     decode_(q1, k1, v1, st)
-    plan = next(iter(_PLANS.values()))
-    state = plan.get(st)
     q4, k4, v4 = (x.unsqueeze(2) for x in (q1, k1, v1))
+    plan = decode_plan(q1, k1, v1, dict(options.DEFAULTS))   # the plan decode_ keeps
+    state = plan.get(st)
     o = torch.empty_like(q4)
     dst = {n: torch.empty_like(x) for n, x in st.items()}
 

@@ -72,6 +72,8 @@ def main():
     for k, n in SHAPES:
         fn, args, got, cycle, nbytes = build(k, n)
         sums = [torch.ones(nbytes // 4) for _ in cycle]
+        for x in sums[:20]:   # (PyTorch's first calls warm up)
+            x.sum()
         times = {"cache": [], "memory": [], "sum": []}
         for _ in range(rounds):
             for _ in range(20):

@@ -194,7 +194,7 @@ def test_the_command_says_what_it_packed_and_warns_of_what_it_kept(tmp_path, cap
     out, err = capsys.readouterr()
     assert "weights: int4 (group 128), 1 packed" in out, out
     assert "warning: weights with K = 32 stay float32 (not a multiple of the group size 128); " \
-        "--group-size 32 packs them" in err, err
+        "--quantize int4 --group-size 32 packs them" in err, err
 
 
 def test_states_and_metadata_of_another_scheme_are_refused(tmp_path_factory, tmp_path, capsys):

@@ -77,7 +77,8 @@ def main(args):
                             schedules=args.schedules, quantize=args.quantize,
                             group_size=args.group_size, tokenizer=args.tokenizer)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
-    _report_weights(out)
+    # (an ONNX file's own scheme is compiled as it is: a remedy then means exporting again)
+    _report_weights(out, exported=args.checkpoint.endswith(".onnx") and args.quantize is None)
     if tgt.kind.name == "cuda":
         from ..runtime.device_code import folder_beside
 
@@ -88,10 +89,11 @@ def main(args):
     return 0
 
 
-def _report_weights(path):
+def _report_weights(path, exported=False):
     """For a module with packed weights (--quantize, or an ONNX file that stores them), print
     them, and a warning with the remedy where its scheme left weights float32 (their K not a
-    multiple of the group size)."""
+    multiple of the group size): other options of this command, or, `exported` (the scheme
+    an ONNX file stores), of `hla-tvm export-onnx`."""
     from ..quant.scheme import GROUP_SIZES, Scheme, from_meta
     from ..runtime import read_meta
     from ..runtime.model import weights_summary
@@ -105,7 +107,9 @@ def _report_weights(path):
     if not ks:
         return
     fits = [g for g in GROUP_SIZES if all(Scheme(sch.name, g).fits(k) for k in ks)]
-    remedy = f"--group-size {fits[-1]} packs them" if fits else \
-        "int8 without --group-size (a scale per output channel) or bf16 packs them"
+    remedy = f"--quantize {sch.name} --group-size {fits[-1]}" if fits else \
+        "--quantize int8 without --group-size (a scale per output channel) or bf16"
     print(f"warning: weights with K = {', '.join(map(str, ks))} stay float32 (not a multiple "
-          f"of the group size {sch.group_size}); {remedy}", file=sys.stderr)
+          f"of the group size {sch.group_size}); "
+          + ("exporting the ONNX file again with " if exported else "") + f"{remedy} packs "
+          "them", file=sys.stderr)
