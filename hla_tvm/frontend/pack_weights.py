@@ -104,20 +104,6 @@ def pack_weights(mod, sch, target):
                                None if scale is None else relax.const(scale), p)
         return packed[key]
 
-    def constant(expr, lookup):
-        """The Relax constant `expr` is (through variable bindings), or None."""
-        seen = 0
-        while isinstance(expr, relax.Var) and seen < 64:
-            bound = lookup(expr)
-            if bound is None:
-                return None, None
-            expr, seen = bound, seen + 1
-        return (expr, None) if isinstance(expr, tvm.ir.expr.Constant) else (None, expr)
-
-    def float_matrix(const):
-        data = const.value.numpy()
-        return data if data.dtype == np.float32 and data.ndim == 2 else None
-
     @relax.expr_functor.mutator
     class _Pack(relax.PyExprMutator):
         def _weight(self, expr):
@@ -162,11 +148,11 @@ def pack_weights(mod, sch, target):
                 return call if out is None else out
             if call.op.same_as(take_op) and int(call.attrs.axis) == 0 and \
                     not phase["products"]:
-                const, _ = constant(call.args[0], self.lookup_binding)
-                table = None if const is None else float_matrix(const)
-                if table is None:
+                found = weight_operand(call.args[0], self.lookup_binding)
+                if found is None or found[1]:   # (a lookup reads the table itself, [N, K])
                     return call
-                out = self._call("take", call.args[1], np.ascontiguousarray(table.T))
+                out = self._call("take", call.args[1],
+                                 np.ascontiguousarray(weight_matrix(found).T))
                 return call if out is None else out
             return call
 
