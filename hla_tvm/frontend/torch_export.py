@@ -20,6 +20,30 @@ def convert_hla_node(node, importer):
     return [out, *new_state]
 
 
+def convert_select(node, importer):
+    """Relax for torch's select.int (`x[:, i]`). TVM's own converter takes a constant index
+    only (a symbolic one, `x[:, x.shape[1] - 1]`, failed: "value has to be scalar or Tensor");
+    here a symbolic index becomes a one-element index tensor taken in "wrap" mode, so that a
+    negative value counts from the axis' end as in PyTorch. (A constant index is taken as TVM
+    takes it; `safe_take` gives its take PyTorch's meaning.)"""
+    import tvm
+    from torch import fx
+    from tvm import relax, tirx
+
+    x = importer.env[node.args[0]]
+    dim, index = node.args[1], node.args[2]
+    bb = importer.block_builder
+    if not isinstance(index, fx.Node):
+        return bb.emit(relax.op.take(x, relax.const(index, "int64"), dim))
+    value = importer.env[index]
+    if not tvm.ir.is_prim_expr(value):
+        raise TypeError(f"select.int: an index of {type(value).__name__} is not supported")
+    value = value if str(value.ty) == "int64" else value.astype("int64")
+    one = bb.emit(relax.op.arange(relax.prim_value(value), relax.prim_value(value + 1),
+                                  relax.prim_value(tirx.IntImm("int64", 1)), "int64"))
+    return bb.emit(relax.op.take(x, bb.emit(relax.op.reshape(one, ())), dim, mode="wrap"))
+
+
 def import_exported(ep):
     """Relax IRModule ("main") of an ExportedProgram whose HLA nodes call our kernels."""
     from tvm.relax.frontend.torch import from_exported_program
@@ -27,7 +51,8 @@ def import_exported(ep):
     from .flat_matmul import unflatten_matmuls
 
     with quiet_pytree_deprecation():   # TVM's importer runs ep.run_decompositions()
-        mod = from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node})
+        mod = from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node,
+                                                            "select.int": convert_select})
     return unflatten_matmuls(mod)
 
 

@@ -3,7 +3,7 @@ in the layout they are stored in (`panels`) and dequantize them where they are u
 copy of a weight exists at run time.
 
     matmul(x [.., K], q, scale) -> [.., N]      out[.., n] = sum_k x[.., k] * W[k, n]
-    take(q, scale, ids [..])   -> [.., K]       out[.., k] = W[k, clip(id, 0, N - 1)]
+    take(q, scale, ids [..])   -> [.., K]       out[.., k] = W[k, clip(id (+ N if < 0), 0, N - 1)]
 
 W[k, n] is `dequantized(k, n)`: a stage of its own (DEQUANTIZE) that the schedule inlines
 into a decode step's product, so each stored value is read and decoded in its inner loop; a
@@ -116,12 +116,14 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
 
 def take(q, scale, ids, *, sch, k, n, group, panel=None):
     """Rows of the table W^T [N, K] (an embedding table stored as the head's [K, N] weight) at
-    `ids`, clamped to 0..N-1 as `frontend.safe_take` clamps a plain lookup."""
+    `ids`: a negative id counts from the end (id + N, as PyTorch indexes a tensor), then ids
+    are clamped to 0..N-1 as `frontend.safe_take` clamps a plain lookup."""
     from tvm import te, tirx
 
     def row(*i):
-        idx = tirx.max(tirx.min(ids[i[:-1]].astype("int64"), tirx.const(n - 1, "int64")),
-                       tirx.const(0, "int64"))
+        idx = ids[i[:-1]].astype("int64")
+        idx = tirx.Select(idx < 0, idx + tirx.const(n, "int64"), idx)
+        idx = tirx.max(tirx.min(idx, tirx.const(n - 1, "int64")), tirx.const(0, "int64"))
         return dequantized(sch, q, scale, i[-1], idx, group, panel)
 
     return te.compute((*ids.shape, k), row, name="take")

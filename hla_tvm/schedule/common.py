@@ -58,9 +58,30 @@ def inline_elementwise(sch, blocks, *, reverse=False):
     return left
 
 
+def root_block(sch):
+    """The root block (SBlockRV) of the function `sch` works on, None where it has none: TVM's
+    legalizer emits some kernels (cumsum, scatter_elements: `te.extern` bodies written with the
+    IR builder) as one opaque block of loops with another name, which no rule can schedule."""
+    from tvm import s_tir
+
+    try:
+        return sch.get_sblock("root")
+    except s_tir.ScheduleError:
+        return None
+
+
+def root_blocks(sch):
+    """The blocks directly under the root block of the function `sch` works on; none where it
+    has no root block (`root_block`)."""
+    root = root_block(sch)
+    return [] if root is None else list(sch.get_child_blocks(root))
+
+
 def root_scratch(sch):
-    """The buffers the scheduled function allocates on its root block (its scratch)."""
-    return list(sch.get(sch.get_sblock("root")).alloc_buffers)
+    """The buffers the scheduled function allocates on its root block (its scratch); none where
+    it has no root block."""
+    root = root_block(sch)
+    return [] if root is None else list(sch.get(root).alloc_buffers)
 
 
 def among(buf, bufs):
@@ -101,7 +122,7 @@ def writes_alone(sch, block):
     init can then be split off)."""
     me = sch.get(block)
     mine = [r.source for r in me.writes]
-    for other in sch.get_child_blocks(sch.get_sblock("root")):
+    for other in root_blocks(sch):
         if sch.get(other).same_as(me):
             continue
         if any(r.source.same_as(b) for r in sch.get(other).writes for b in mine):
@@ -110,8 +131,12 @@ def writes_alone(sch, block):
 
 
 def outer_chain(sch):
-    """The loops from the root down while each one's body is a single loop (batch, head, ...)."""
-    root = sch.get(sch.get_sblock("root"))
+    """The loops from the root down while each one's body is a single loop (batch, head, ...);
+    none where the function has no root block."""
+    root = root_block(sch)
+    if root is None:
+        return []
+    root = sch.get(root)
     chain = []
     stmt = root.body
     while isinstance(stmt, tirx.For):
@@ -165,10 +190,10 @@ def independent_outer_loops(sch):
     sequential scan over chunks, an in-place state update): the loops whose iterations may run
     at once, each on elements of its own."""
     chain = outer_chain(sch)
-    if not chain:
-        return []
-    scratch = _allocated(sch.get(sch.get_sblock("root")), [])
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    blocks = root_blocks(sch)
+    if not chain or not blocks:
+        return []   # (no loops, or loops around no block: nothing a rule can bind)
+    scratch = _allocated(sch.get(root_block(sch)), [])
     loops = sch.get_loops(blocks[0])[: len(chain)]
     keep = len(loops)
     for block in blocks:

@@ -14,7 +14,15 @@ from __future__ import annotations
 import tvm
 
 from ....ops.common.pairs import PAIR_PRODUCT
-from ...common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, static_extent, writes_alone
+from ...common import (
+    COMM_REDUCE,
+    DATA_PAR,
+    loop_iter_types,
+    own_loops,
+    root_blocks,
+    static_extent,
+    writes_alone,
+)
 from . import bf16_dot as bf16_dot_rule
 
 # accumulator registers a tile may use: AVX-512 has 32 vector registers, AVX2 and NEON 16; the
@@ -99,7 +107,7 @@ def chunk_gemm(sch, func_name, lanes=8, tunable=False, bf16_dot=False):
     bf16_dot: the target has AVX512-BF16, and the pair products of `ops.common.pairs` (the
     bfloat16 products of `bf16_products` kernels) run on its vdpbf16ps (`bf16_dot`); without it
     they are vectorized as written."""
-    blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
+    blocks = root_blocks(sch)
     for block in blocks:
         found = gemm_loops(sch, block)
         if found is None or not writes_alone(sch, block) or _read_before(sch, block, blocks):

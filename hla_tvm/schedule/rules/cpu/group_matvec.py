@@ -24,6 +24,7 @@ from ...common import (
     is_elementwise,
     joint_extent,
     reads_pairs,
+    root_blocks,
     static_extent,
     under,
 )
@@ -33,7 +34,7 @@ from .matmul_tiles import BATCH_ROWS, tile_shape, vector_lanes
 def schedule(sch, lanes):
     """Schedule the function of `sch` as above; False, `sch` untouched, where it is not a
     group_matvec with only element-wise blocks after it."""
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    blocks = root_blocks(sch)
     names = [sch.get(b).name_hint for b in blocks]
     if GROUP_SCALED not in names or GROUP_PARTIAL not in names:
         return False
@@ -42,7 +43,7 @@ def schedule(sch, lanes):
                  if name not in (GROUP_SUM, GROUP_PARTIAL)]
     if producers and inline_elementwise(sch, producers):
         return False
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    blocks = root_blocks(sch)
     names = [sch.get(b).name_hint for b in blocks]
     last = names.index(GROUP_SCALED)
     # before it the partial sums and int4's sums of x per group (left serial: small)
@@ -75,7 +76,7 @@ def schedule(sch, lanes):
     sch.reverse_compute_at(acc, lead[-1])
     after = {sch.get(b).name_hint for b in epilogue}   # (handles differ between calls)
     inline_elementwise(sch, epilogue, reverse=True)
-    for b in sch.get_child_blocks(sch.get_sblock("root")):
+    for b in root_blocks(sch):
         if sch.get(b).name_hint in after and not under(sch, b, lead[-1]):
             sch.reverse_compute_at(b, lead[-1])
     sch.compute_at(part, g)

@@ -29,6 +29,7 @@ from ...common import (
     is_elementwise,
     joint_extent,
     reads_pairs,
+    root_blocks,
     static_extent,
     under,
 )
@@ -126,7 +127,7 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     matmul (ValueError or ScheduleError, `sch` then spoilt, where a primitive refuses it).
     tunable: the tile's rows and columns are sampled decisions (`tile_choices`) starting at the
     default tile (`tile_shape`); rows, cols: a fixed tile."""
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    blocks = root_blocks(sch)
     mm = [b for b in blocks if is_outer_matmul(sch.get(b))]
     if len(mm) != 1 or not all(is_elementwise(sch, b) for b in blocks if not b.same_as(mm[0])):
         return False
@@ -183,10 +184,10 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
     sch.reverse_compute_at(acc, io)
     # (by name: the handles of one block from two calls differ)
     kept = {sch.get(b).name_hint for b in (block, acc, *packed)}
-    epilogue = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+    epilogue = [b for b in root_blocks(sch)
                 if sch.get(b).name_hint not in kept]
     inline_elementwise(sch, epilogue, reverse=True)  # the last one into the write-back
-    for b in sch.get_child_blocks(sch.get_sblock("root")):
+    for b in root_blocks(sch):
         if sch.get(b).name_hint not in kept and not under(sch, b, io):
             sch.reverse_compute_at(b, io)
     for b in sch.get_child_blocks(io):

@@ -6,13 +6,15 @@ dlight's CPU GEMV/Reduction rules do not take:
     microseconds, more than a decode step's 256-element row takes serially);
   - reductions whose last data-parallel loop has a static extent (matmul C[.., j] += A[.., k]
     B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
-    the reduction runs between them, so each thread streams rows of B into a row of C."""
+    the reduction runs between them, so each thread streams rows of B into a row of C.
+A function without a root block (TVM's legalizer emits cumsum and scatter_elements as one opaque
+block of loops, parallel where it chose) or one a primitive refuses is left as it is."""
 from __future__ import annotations
 
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from ...common import COMM_REDUCE, DATA_PAR, inline_elementwise, static_extent
+from ...common import COMM_REDUCE, DATA_PAR, inline_elementwise, root_blocks, static_extent
 
 VECTOR = 16
 ROW = 64
@@ -21,9 +23,19 @@ PARALLEL_MIN = 1 << 15
 
 class ParallelFallback(dl.ScheduleRule):
     def apply(self, func, target, _tunable):
-        sch = s_tir.Schedule(func)
-        inline_elementwise(sch, sch.get_child_blocks(sch.get_sblock("root")))
-        for block in sch.get_child_blocks(sch.get_sblock("root")):
+        """The schedule above, or None (the function left as it is: correct serial code) for
+        a function without a root block (the legalizer's cumsum, scatter_elements) or one a
+        primitive refuses."""
+        try:
+            return self._schedule(s_tir.Schedule(func))
+        except s_tir.ScheduleError:
+            return None
+
+    def _schedule(self, sch):
+        if not root_blocks(sch):
+            return None
+        inline_elementwise(sch, root_blocks(sch))
+        for block in root_blocks(sch):
             loops = sch.get_loops(block)
             iters = sch.get(block).iter_vars
             if not loops or len(iters) != len(loops):

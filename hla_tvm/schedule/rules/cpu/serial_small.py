@@ -11,15 +11,18 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from ...common import inline_elementwise, static_extent
+from ...common import inline_elementwise, root_blocks, static_extent
 from .parallel_fallback import PARALLEL_MIN
 
 
 def small_work(sch):
     """The iterations of every block's loops when all are static and their sum is at most
-    PARALLEL_MIN, else None."""
+    PARALLEL_MIN, else None (also for a function without a root block or blocks under it)."""
+    blocks = root_blocks(sch)
+    if not blocks:
+        return None
     total = 0
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in blocks:
         work = 1
         for loop in sch.get_loops(block):
             ext = static_extent(sch, loop)
@@ -38,7 +41,7 @@ class SerialSmall(dl.ScheduleRule):
             sch = s_tir.Schedule(func)
             if small_work(sch) is None:
                 return None
-            inline_elementwise(sch, sch.get_child_blocks(sch.get_sblock("root")))
+            inline_elementwise(sch, root_blocks(sch))
             return sch
         except s_tir.ScheduleError:
             return None

@@ -5,11 +5,18 @@ a row sum, a GEMM `chunk_gemm` left alone) has its reduction loops moved outside
 data-parallel loop, which is vectorized, and its init split off in front of them."""
 from tvm.tirx import ForKind
 
-from ...common import COMM_REDUCE, DATA_PAR, loop_iter_types, own_loops, writes_alone
+from ...common import (
+    COMM_REDUCE,
+    DATA_PAR,
+    loop_iter_types,
+    own_loops,
+    root_blocks,
+    writes_alone,
+)
 
 
 def vectorize_inner(sch, func_name):
-    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+    for block in root_blocks(sch):
         loops = own_loops(sch, block)
         if not loops or sch.get(loops[-1]).kind in (ForKind.VECTORIZED, ForKind.UNROLLED):
             continue  # no own loops, or already scheduled (chunk_gemm; tensorized: unrolled)

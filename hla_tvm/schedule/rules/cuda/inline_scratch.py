@@ -7,7 +7,7 @@ kernel's arguments (the staged chunk of q, k, v) stay, as do those calling exp (
 powers, computed once on purpose)."""
 from __future__ import annotations
 
-from ...common import among, is_elementwise, root_scratch, walk
+from ...common import among, is_elementwise, root_blocks, root_scratch, walk
 
 
 def _calls_exp(stmt):
@@ -21,7 +21,7 @@ def inline_scratch(sch, func_name):
     """compute_inline every element-wise block whose reads are all scratch buffers and whose
     body calls no exp or log, into its consumers (a block that cannot be inlined stays)."""
     scratch = root_scratch(sch)
-    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+    for block in root_blocks(sch):
         stmt = sch.get(block)
         if stmt.init is not None or not is_elementwise(sch, block):
             continue

@@ -18,6 +18,7 @@ from ...common import (
     independent_outer_loops,
     loop_iter_types,
     outer_chain,
+    root_blocks,
     static_extent,
 )
 
@@ -85,7 +86,7 @@ def scan_lanes(sch, threads):
     outer = independent_outer_loops(sch)
     if not outer or len(outer_chain(sch)) <= len(outer):
         return False
-    seq_loop = sch.get_loops(sch.get_child_blocks(sch.get_sblock("root"))[0])[len(outer)]
+    seq_loop = sch.get_loops(root_blocks(sch)[0])[len(outer)]   # (outer loops: a block)
     pairs = _lane_blocks(sch, seq_loop, len(outer))
     if pairs is None:
         return False

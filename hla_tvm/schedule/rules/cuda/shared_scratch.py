@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ...common import among, own_loops, root_scratch, writes_alone
+from ...common import among, own_loops, root_block, root_scratch, writes_alone
 
 SCOPE = "shared.dyn"
 
@@ -63,7 +63,9 @@ def shared_scratch(sch, func_name):
     scope "local": a register of every thread, each computing it (`thread_stages`; TVM 0.27's
     shared-memory merging failed on such a one-element shared buffer: InternalError,
     buffer_byte_offsets). Blocks whose scratch nothing reads are removed."""
-    root = sch.get_sblock("root")
+    root = root_block(sch)
+    if root is None:
+        return   # (no root block: no scratch declared on it)
     blocks = _drop_unread(sch, sch.get_child_blocks(root))
     for buf in list(sch.get(root).alloc_buffers):
         if buf.scope() == "local":

@@ -21,6 +21,7 @@ from ...common import (
     among,
     loop_iter_types,
     own_loops,
+    root_blocks,
     root_scratch,
     static_extent,
     walk,
@@ -43,7 +44,7 @@ def _summing_sizes(sch, loops=None):
     from tvm import tirx
 
     sizes = []
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in root_blocks(sch):
         spatial, reduce_ = _spatial_reduce(sch, block)
         extents = [static_extent(sch, lp) for lp in spatial]
         inner = []
@@ -100,7 +101,7 @@ def thread_stages(sch, func_name, threads, registers=True, tiles=TILES):
     tail (`mask_write_backs` gives the write-backs the stage's mask)."""
     scratch = root_scratch(sch)
     tails = {}
-    for block in list(sch.get_child_blocks(sch.get_sblock("root"))):
+    for block in root_blocks(sch):
         spatial, reduce_ = _spatial_reduce(sch, block)
         writes = sch.get(block).writes
         if not spatial and all(w.source.scope() == "local" and among(w.source, scratch)

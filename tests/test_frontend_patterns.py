@@ -1,0 +1,324 @@
+"""Tensor patterns of real model code around the HLA layers, compiled as PyTorch means them
+(issue 49), each checked against PyTorch eager on the same model or tensors:
+  - indexing the time axis from its end (`h[:, -1]`, `h[:, T - 1]`: last-token pooling, a
+    token shift), where the frontend's safe `take` once clamped index -1 to row 0;
+  - `cumsum` (transformers' `position_ids = attention_mask.cumsum(-1) - 1`) and
+    `Tensor.scatter`, whose kernels TVM's legalizer emits without a root block, which the CPU
+    schedule rules assumed (a crash in `ParallelFallback`)."""
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+from torch import nn
+
+from hla_tvm.compiler import compile as compile_model
+from hla_tvm.nn import HLAttention
+from hla_tvm.runtime import load
+
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
+FAST = {
+    "test_take_keeps_pytorch_indexing",
+    "test_token_id_lookup_stays_in_bounds",
+    "test_stored_table_lookup_counts_negative_ids_from_the_end",
+    "test_rules_leave_kernels_without_a_root_block",
+    "test_last_row_matches_pytorch_in_prefill_and_decode[negative]",
+}
+
+VOCAB, D, HEADS = 40, 16, 2
+
+
+class _Tiny(nn.Module):
+    """Embedding, one HLA layer with a residual, a linear head; `mix` (the pattern under
+    test) turns the tokens and the hidden rows [B, T, D] into the rows the head reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.attn = HLAttention(D, HEADS, decay=0.9)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch)]
+
+    def inputs(self, tokens):
+        return self.embed(tokens)
+
+    def forward(self, tokens, state=None):
+        x = self.inputs(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        return self.head(self.mix(tokens, x + y)), [st]
+
+    def mix(self, tokens, h):
+        return h
+
+
+class LastRowLM(_Tiny):
+    """The last position's hidden row added to every position (last-token pooling mixed back
+    in), taken as `h[:, -1]` ("negative") or `h[:, T - 1]` with T = h.shape[1] ("symbolic")."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.pick = pick
+
+    def mix(self, tokens, h):
+        last = h[:, -1] if self.pick == "negative" else h[:, h.shape[1] - 1]
+        return h + last[:, None]
+
+
+class CumsumLM(_Tiny):
+    """Learned positions from a mask's cumsum, as transformers computes position_ids (int64),
+    and a running sum of the embeddings over time (float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(32, D)
+
+    def inputs(self, tokens):
+        position_ids = (tokens >= 0).long().cumsum(-1) - 1
+        x = self.embed(tokens) + self.pos(position_ids)
+        return x + 0.25 * torch.cumsum(x, 1)
+
+
+class ScatterLM(_Tiny):
+    """Tensor.scatter into the hidden rows (a row sum written at a column the token picks:
+    scatter.src) and into a fresh zeros tensor (one-hot marks: scatter.value)."""
+
+    def mix(self, tokens, h):
+        h = h.scatter(-1, (tokens % D)[..., None], h.sum(-1, keepdim=True))
+        marks = torch.zeros_like(h).scatter(-1, (tokens * 3 % D)[..., None], 1.0)
+        return h + marks
+
+
+MODELS = {"negative": lambda: LastRowLM("negative"), "symbolic": lambda: LastRowLM("symbolic"),
+          "cumsum": CumsumLM, "scatter": ScatterLM}
+
+
+@pytest.fixture(scope="module")
+def compiled_pattern(tmp_path_factory):
+    """name -> (the PyTorch model, its compiled module loaded), compiled once per module."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            torch.manual_seed(0)
+            model = MODELS[name]().eval()
+            path = tmp_path_factory.mktemp(name) / f"{name}.so"
+            compile_model(model, out=path)
+            done[name] = model, load(path)
+        return done[name]
+
+    return get
+
+
+def _check_prefill_and_decode(model, m, lengths=(2, 5, 13), steps=3, batch=2):
+    """Prefill of each length from a fresh state, then `steps` decode steps from the last
+    prefill's state (batch `batch`, and one stream through the static batch entry), each
+    against PyTorch."""
+    g = torch.Generator().manual_seed(1)
+    for T in lengths:
+        tokens = torch.randint(0, VOCAB, (batch, T), generator=g)
+        with torch.no_grad():
+            want, st = model(tokens, None)
+        got, state = m.prefill(tokens.numpy(), m.init_state(batch))
+        assert rel_err(torch.from_numpy(got), want) <= 1e-5, f"prefill of {T} tokens"
+    for b in (batch, 1):
+        st_b = [{k: v[:b].clone() for k, v in layer.items()} for layer in st]
+        state_b = m.init_state(b)
+        state_b = m.prefill(tokens[:b].numpy(), state_b)[1]
+        for step in range(steps):
+            nxt = torch.randint(0, VOCAB, (b,), generator=g)
+            with torch.no_grad():
+                want, st_b = model(nxt[:, None], st_b)
+            got, state_b = m.decode(nxt.numpy(), state_b)
+            assert rel_err(torch.from_numpy(got), want[:, 0]) <= 1e-5, \
+                f"decode step {step} (batch {b})"
+
+
+@pytest.mark.parametrize("pick", ["negative", "symbolic"])
+def test_last_row_matches_pytorch_in_prefill_and_decode(compiled_pattern, pick):
+    """h[:, -1] and h[:, T - 1] give the last row in prefill (T symbolic) and decode (T = 1):
+    "clip" mode once clamped -1 to row 0, and TVM's importer refused the symbolic index
+    ("value has to be scalar or Tensor")."""
+    _check_prefill_and_decode(*compiled_pattern(pick))
+
+
+def test_cumsum_positions_match_pytorch(compiled_pattern):
+    """cumsum (int64 positions from a mask, float32 running sums) compiles (its kernel has no
+    root block: ParallelFallback raised "Cannot find a block with the name: root") and
+    matches."""
+    _check_prefill_and_decode(*compiled_pattern("cumsum"))
+
+
+def test_scatter_matches_pytorch(compiled_pattern):
+    """Tensor.scatter (a tensor source and a value) compiles and matches."""
+    _check_prefill_and_decode(*compiled_pattern("scatter"))
+
+
+def _relax_module(build, arrays):
+    """The Relax module whose main(*params) returns the tuple build(bb, params), params named
+    and typed by `arrays` ({name: (shape, dtype)})."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    params = [relax.Var(name, relax.TensorType(shape, dtype))
+              for name, (shape, dtype) in arrays.items()]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Tuple(build(bb, params)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _relax_vm(build, arrays):
+    """A VM of `_relax_module(build, arrays)` passed through `safe_take` (as `compile` does)
+    and built by the CPU pipeline."""
+    import tvm
+    from tvm import relax
+
+    from hla_tvm.compiler import cpu_pipeline
+    from hla_tvm.frontend.safe_take import safe_take
+    from hla_tvm.target import resolve
+
+    tgt = resolve("llvm")
+    mod = safe_take(_relax_module(build, arrays))
+    return relax.VirtualMachine(tvm.compile(mod, target=tgt, relax_pipeline=cpu_pipeline(tgt)),
+                                tvm.cpu())
+
+
+def _vm_outputs(vm, inputs):
+    import tvm
+
+    got = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in inputs])
+    return [g.numpy() for g in got]
+
+
+def test_take_keeps_pytorch_indexing():
+    """Every take the frontend makes safe keeps PyTorch's meaning: a negative constant index on
+    a symbolic axis (the time axis) and on a static one, a list of constant indices, and
+    index tensors with negative entries (what `x[:, idx]` makes), against torch's own
+    indexing of the same tensor, at several lengths of the symbolic axis (1 included)."""
+    from tvm import relax, tirx
+
+    T = tirx.Var("T", "int64")
+
+    def build(bb, params):
+        x, idx = params
+        take = relax.op.take
+        return [bb.emit(take(x, relax.const(-1, "int64"), 1)),
+                bb.emit(take(x, relax.const(np.array([-1, 0, -2]), "int64"), 1)),
+                bb.emit(take(x, relax.const(-1, "int64"), 2)),
+                bb.emit(take(x, relax.const(np.array([-4, 3]), "int64"), 2)),
+                bb.emit(take(x, idx, 1))]
+
+    vm = _relax_vm(build, {"x": ((2, T, 4), "float32"), "idx": ((3,), "int64")})
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5):
+        x = torch.randn(2, n, 4, generator=g)
+        idx = torch.tensor([-1, 0, n - 1])
+        got = _vm_outputs(vm, [x.numpy(), idx.numpy()])
+        want = [x[:, -1], x[:, [-1, 0, -2]] if n > 1 else None,   # (-2: outside one row)
+                x[:, :, -1], x[:, :, [-4, 3]], x[:, idx]]
+        for i, (a, b) in enumerate(zip(got, want)):
+            if b is not None:
+                np.testing.assert_array_equal(a, b.numpy(), err_msg=f"take {i} at T = {n}")
+
+
+def test_token_id_lookup_stays_in_bounds():
+    """The token-id lookup keeps reading in bounds: an id past the table (which the runtime
+    refuses before a call, but a direct VM call may pass) reads the last row, a negative one
+    the first, never memory outside the table."""
+    from tvm import relax, tirx
+
+    T = tirx.Var("T", "int64")
+    table = np.arange(5 * 3, dtype="float32").reshape(5, 3)
+
+    def build(bb, params):
+        (tokens,) = params
+        flat = bb.emit(relax.op.reshape(tokens, (T,)))
+        return [bb.emit(relax.op.take(relax.const(table), flat, 0))]
+
+    vm = _relax_vm(build, {"tokens": ((1, T), "int64")})
+    ids = torch.tensor([[0, 4, 2, 7, 1000, -1, -100]])
+    (got,) = _vm_outputs(vm, [ids.numpy()])
+    want = torch.from_numpy(table)[ids[0].clamp(0, 4)]
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_stored_table_lookup_counts_negative_ids_from_the_end():
+    """A lookup into a table `pack_weights` stores (`quant.kernels.take`, a tied embedding's
+    rows) indexes as torch indexes the table: a negative id counts from the end; an id past
+    the table reads its last row, never memory outside it."""
+    import tvm
+    from tvm import te
+
+    from hla_tvm.quant import kernels
+    from hla_tvm.target import resolve
+
+    K, N = 3, 5
+    q = te.placeholder((K, N), "float32", name="q")   # the table W^T [N, K] stored as [K, N]
+    ids = te.placeholder((6,), "int64", name="ids")
+    out = kernels.take(q, None, ids, sch=None, k=K, n=N, group=None)
+    lib = tvm.compile(te.create_prim_func([q, ids, out]), target=resolve("llvm"))
+    table = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([0, -1, 4, -5, 2, 9])
+    got = tvm.runtime.tensor(np.zeros((6, K), "float32"))
+    lib["main"](tvm.runtime.tensor(table.T.contiguous().numpy()), tvm.runtime.tensor(idx.numpy()),
+                got)
+    np.testing.assert_array_equal(got.numpy()[:5], table[idx[:5]].numpy())
+    np.testing.assert_array_equal(got.numpy()[5], table[N - 1].numpy())
+
+
+def test_rules_leave_kernels_without_a_root_block():
+    """The kernels TVM's legalizer emits for cumsum and scatter_elements have no block named
+    "root": every CPU rule declines or leaves them (no exception), the helpers the CUDA rules
+    share see no blocks, and the whole CPU pipeline computes what torch does."""
+    import tvm_ffi
+    from tvm import relax, s_tir, tirx
+
+    from hla_tvm.compiler import legalize
+    from hla_tvm.schedule import common
+    from hla_tvm.schedule.rules import cpu
+    from hla_tvm.schedule.rules.cuda import inline_scratch, scan_lanes, shared_scratch
+    from hla_tvm.target import resolve
+
+    T = tirx.Var("T", "int64")
+
+    def build(bb, params):
+        x, idx, ids = params
+        return [bb.emit(relax.op.cumsum(x, axis=1)),
+                bb.emit(relax.op.cumsum(ids, axis=1, dtype="int64")),
+                bb.emit(relax.op.scatter_elements(x, idx, x, axis=2))]
+
+    arrays = {"x": ((2, T, 8), "float32"), "idx": ((2, T, 8), "int64"),
+              "ids": ((2, T), "int64")}
+    tgt = resolve("llvm")
+    legal = legalize(_relax_module(build, arrays), tgt)
+    rootless = 0
+    for _, func in legal.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        sch = s_tir.Schedule(func)
+        if common.root_block(sch) is not None:
+            continue
+        rootless += 1
+        assert common.root_blocks(sch) == [] and common.root_scratch(sch) == []
+        assert common.independent_outer_loops(sch) == []
+        for rule in (cpu.GroupMatvec(), cpu.MatmulTiles(), cpu.SerialSmall(),
+                     cpu.ParallelFallback()):
+            assert rule.apply(func, tgt, False) is None, type(rule).__name__
+        assert not scan_lanes.scan_lanes(sch, 128)
+        inline_scratch.inline_scratch(sch, "main")
+        shared_scratch.shared_scratch(sch, "main")
+        assert tvm_ffi.structural_equal(sch.mod["main"], func)
+    assert rootless >= 2   # (cumsum's and scatter's kernels)
+
+    vm = _relax_vm(build, arrays)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 6):
+        x = torch.randn(2, n, 8, generator=g)
+        idx = torch.stack([torch.randperm(8, generator=g) for _ in range(2 * n)]).view(2, n, 8)
+        ids = torch.randint(0, 9, (2, n), generator=g)
+        got = _vm_outputs(vm, [x.numpy(), idx.numpy(), ids.numpy()])
+        want = [torch.cumsum(x, 1), torch.cumsum(ids, 1), x.scatter(2, idx, x)]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-5)
