@@ -24,6 +24,7 @@ _CACHE_KINDS = {"kernels": "compiled kernel modules",
                 "models": "compiled models (of demo and bench model)",
                 "device": "CUDA device code", "emulator": "emulated CUDA kernels",
                 "runtime": "TVM runtimes of other architectures",
+                "checked": "records files read once apart (no fault)",
                 "records": "tuned records (hla-tvm tune)"}
 
 

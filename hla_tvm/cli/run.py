@@ -12,6 +12,7 @@ DESCRIPTION = ("Prefill a prompt, then decode token by token: text prompts "
                "greedy unless --temperature is given. Byte-level models (`hla-tvm "
                "train`, the demo's) take --prompt TEXT and stream text; others "
                "take --prompt-ids and print ids.")
+MAX_PROMPT_BYTES = 64 << 20   # --prompt-file's default bound
 
 
 def add_arguments(p):
@@ -23,6 +24,10 @@ def add_arguments(p):
                    help="prompt text read from FILE (UTF-8; - for standard input), for prompts "
                         "too long for the command line; echoed by its last 2000 characters "
                         "when longer")
+    p.add_argument("--max-prompt-bytes", type=positive, default=MAX_PROMPT_BYTES, metavar="N",
+                   help="the most bytes --prompt-file reads; a longer file (or a device such as "
+                        "/dev/zero) is refused (default: 64 MiB, about 64 M tokens of a "
+                        "byte-level model)")
     p.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
     p.add_argument("--info", action="store_true",
                    help="print the module's metadata (model, device, state layout, which "
@@ -56,13 +61,19 @@ def _prompt_ids(text):
     return prompt
 
 
-def _prompt_file(path):
-    """The text of --prompt-file `path` ("-": standard input), UTF-8."""
+def _prompt_file(path, limit=MAX_PROMPT_BYTES):
+    """The text of --prompt-file `path` ("-": standard input), UTF-8, of at most `limit`
+    bytes: ValueError naming the file beyond (read no further: /dev/zero never ends)."""
     try:
         if path == "-":
-            return sys.stdin.buffer.read().decode("utf-8")
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8")
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"--prompt-file {path} holds more than {limit} bytes "
+                             "(--max-prompt-bytes)")
+        return data.decode("utf-8")
     except UnicodeError as err:
         raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({err.reason})") from None
     except OSError as err:
@@ -137,7 +148,7 @@ def main(args):
     except ValueError as err:
         raise ValueError(f"--{str(err).replace('_', '-')}") from None
     if args.prompt_file is not None:
-        args.prompt = _prompt_file(args.prompt_file)
+        args.prompt = _prompt_file(args.prompt_file, args.max_prompt_bytes)
         if not args.prompt:
             raise ValueError(f"--prompt-file {args.prompt_file} is empty")
     prompt = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None

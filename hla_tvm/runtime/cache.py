@@ -6,6 +6,7 @@
       device/<sha256>-<sm>.fatbin CUDA device code and its .sha256 (`device_code.store`)
       emulator/<24 hex>.so        emulated CUDA kernels (`tools.cuda_emulator`)
       runtime/<arch>-tvm...       TVM runtimes of other architectures (`bundle`)
+      checked/<sha256>            records files read without fault (`records.CHECKED`)
       schedules/<target>/         the user's tuned records (`hla-tvm tune`): not a cache
 
 Libraries in the cache are loaded into the process, so the folder is created private (mode
@@ -30,6 +31,7 @@ _OWN = {
     "device": (rf"[0-9a-f]{{64}}-[A-Za-z0-9_-]+\.fatbin(\.sha256)?|{_TMP}", None),
     "emulator": (rf"[0-9a-f]{{24}}\.so|{_TMP}", None),
     "runtime": (None, r"[A-Za-z0-9_]+-tvm.+-ffi.+|tmp[A-Za-z0-9_]+"),
+    "checked": (rf"[0-9a-f]{{64}}|{_TMP}", None),
 }
 
 

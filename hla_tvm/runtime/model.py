@@ -37,6 +37,7 @@ STATE_MODEL = "hla_tvm.model"   # a state file's entry: the digest of the model 
 # a state file's optional entry: token ids chosen but not fed yet (a served stream's last token),
 # which a continuation feeds first
 STATE_PENDING = "hla_tvm.pending"
+MAX_PENDING = 1 << 20   # the most token ids a state file's pending entry may hold
 # The compiled kernels assume 64-byte aligned data (TVM's allocation alignment) and load it with
 # aligned vector instructions: data that starts elsewhere is copied on the way in
 ALIGN = 64
@@ -299,66 +300,71 @@ class CompiledModel:
 
     def pending_tokens(self, path):
         """The pending token ids a state file records (save_state's `pending`; [] for none),
-        checked against the vocabulary: ValueError naming the file otherwise."""
-        try:
-            with np.load(os.fspath(path), allow_pickle=False) as f:
-                ids = f[STATE_PENDING] if STATE_PENDING in f.files else np.zeros(0, np.int64)
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, AttributeError) \
-                as err:
-            raise ValueError(f"{path}: not a readable state file ({err})") from None
-        if ids.ndim != 1 or ids.dtype != np.int64 or (
-                len(ids) and self.vocab_size and (ids.min() < 0 or ids.max() >= self.vocab_size)):
+        checked against the vocabulary: ValueError naming the file otherwise. Its entry's
+        header is checked before its data is read (`_npz_entries`)."""
+        def check(dtype, shape):
+            if dtype != np.int64 or len(shape) != 1 or shape[0] > MAX_PENDING:
+                return (f"its {STATE_PENDING} entry must be at most {MAX_PENDING} token ids "
+                        f"(int64), got {dtype} {list(shape)}")
+            return None
+
+        ids = _npz_entries(path, {STATE_PENDING: check}).get(STATE_PENDING,
+                                                             np.zeros(0, np.int64))
+        if len(ids) and self.vocab_size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"{path}: its {STATE_PENDING} entry must be token ids in [0, "
                              f"{self.vocab_size}), got {ids.dtype} {list(ids.shape)}")
         return [int(x) for x in ids]
 
-    def load_state(self, path, other_model=False):
+    def load_state(self, path, other_model=False, *, batch=None):
         """A state written by save_state, checked against this model (the model digest it
         records, names, shapes, dtypes, finite values); ValueError naming the file and the
         entry otherwise. other_model=True accepts a state saved by another model (or one that
-        records no model) whose state layout equals this one's."""
+        records no model) whose state layout equals this one's; `batch`: the batch the state
+        must have (None: any the module takes). Each entry's header (dtype, shape) is checked
+        before its data is read (`_npz_entries`): a file cannot make this allocate more than
+        the state it declares, within those bounds."""
         path = os.fspath(path)
-        names = [n for n, _, _ in self.state_spec]
-        try:
-            archive = np.load(path, allow_pickle=False)
-        except FileNotFoundError:
-            raise
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile):
-            raise ValueError(f"{path}: not a state file written by save_state (not an .npz "
-                             "archive of arrays)") from None
-        if not isinstance(archive, np.lib.npyio.NpzFile):   # (one array: an .npy file)
-            raise ValueError(f"{path}: not a state file written by save_state (one array, not "
-                             "an .npz archive)")
-        try:
-            with archive as f:
-                missing = [n for n in names if n not in f.files]
-                if missing:
-                    raise ValueError(f"{path}: not a state of this model (missing entries "
-                                     f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
-                arrays = [f[n] for n in names]
-                owner = f[STATE_MODEL] if STATE_MODEL in f.files else None
-        except ValueError as err:
-            if str(err).startswith(f"{path}: "):
-                raise
-            raise ValueError(f"{path}: not a readable state file ({err})") from None
-        except (OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
-            raise ValueError(f"{path}: not a readable state file ({err})") from None
+        seen = {"batch": batch}
+
+        def check(name, shape, dtype):
+            def entry(got_dtype, got):
+                b = got[0] if len(got) == len(shape) + 1 and got[0] >= 1 else None
+                if b is None or tuple(got[1:]) != shape or (
+                        seen["batch"] is not None and b != seen["batch"]):
+                    return (f"state entry {name} must have shape {_want(shape, seen['batch'])}, "
+                            f"got {list(got)}")
+                if str(got_dtype) != dtype:
+                    return f"state entry {name} must be {dtype}, got {got_dtype}"
+                if seen["batch"] is None:
+                    self._check_batch(b, path)
+                    seen["batch"] = b
+                return None
+            return entry
+
+        def digest(dtype, shape):   # (the model's digest, hex: read where it is one)
+            return None if dtype == np.uint8 and len(shape) == 1 and shape[0] <= 256 else \
+                "not a digest"
+
+        wanted = {name: check(name, shape, dtype) for name, shape, dtype in self.state_spec}
         if not other_model:
-            owner = bytes(owner.astype(np.uint8)).decode("ascii", "replace") \
-                if owner is not None and owner.dtype == np.uint8 and owner.ndim == 1 else None
+            wanted[STATE_MODEL] = digest
+        got = _npz_entries(path, wanted, skip=(STATE_MODEL,))
+        missing = [n for n, _, _ in self.state_spec if n not in got]
+        if missing:
+            raise ValueError(f"{path}: not a state of this model (missing entries "
+                             f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
+        if not other_model:
+            owner = got.get(STATE_MODEL)
+            owner = None if owner is None else bytes(owner).decode("ascii", "replace")
             if owner != self.model_digest:
                 raise ValueError(
                     f"{path}: a state of another model (it records "
                     f"{'no model digest' if owner is None else 'model ' + owner[:16]}, this "
                     f"module is model {self.model_digest[:16]}); load_state(path, "
                     "other_model=True) takes it where the state layouts are equal")
-        first = self.state_spec[0]
-        batch = arrays[0].shape[0] if arrays[0].ndim == len(first[1]) + 1 else None
-        if batch is None or batch < 1:
-            raise ValueError(f"{path}: state entry {first[0]} must have shape "
-                             f"{_want(first[1])}, got {list(arrays[0].shape)}")
+        arrays = [got[n] for n, _, _ in self.state_spec]
         # (names, shapes, dtype and finite values: the check every state passed in gets)
-        return self._hold(self._check_state(arrays, batch, path)[0])
+        return self._hold(self._check_state(arrays, seen["batch"], path)[0])
 
     def _check_state(self, state, batch, what="state"):
         """(the module's tensors for `state`, the entries of `state` that are views of them
@@ -639,3 +645,66 @@ def _batch_of(state):
 
 def _want(shape, batch=None):
     return "[" + ", ".join([str(batch) if batch is not None else "B", *map(str, shape)]) + "]"
+
+
+def _npz_entries(path, wanted, skip=()):
+    """{name: array} of the entries named in `wanted` that the .npz archive `path` holds, each
+    read only after its .npy header passed wanted[name](dtype, shape) (None, or the reason to
+    refuse it) and the zip member's size equals what the header declares: a file cannot make
+    this allocate more than the arrays it declares and the checks allow, however far its
+    compressed data would expand. An entry in `skip` that fails its check is left out instead.
+    ValueError naming the file (and the entry) otherwise; FileNotFoundError where there is
+    none."""
+    import math
+
+    path = os.fspath(path)
+    out = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = {i.filename: i for i in z.infolist()}
+            for name, check in wanted.items():
+                info = members.get(name + ".npy") or members.get(name)
+                if info is None:
+                    continue
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    if version not in ((1, 0), (2, 0)):
+                        raise ValueError(f"unsupported .npy format {version}")
+                    shape, fortran, dtype = (np.lib.format.read_array_header_1_0 if version ==
+                                             (1, 0) else np.lib.format.read_array_header_2_0)(f)
+                    reason = "it holds Python objects" if dtype.hasobject else check(dtype,
+                                                                                     shape)
+                    if reason and name in skip:
+                        continue
+                    if reason:
+                        raise ValueError(f"{path}: {reason}")
+                    count = math.prod(shape)
+                    size = count * dtype.itemsize
+                    if info.file_size != f.tell() + size:
+                        raise ValueError(f"{path}: entry {name} holds {info.file_size} bytes, "
+                                         f"not the {f.tell() + size} its header {list(shape)} "
+                                         f"{dtype} declares")
+                    array = np.empty(count, dtype)
+                    data, done = memoryview(array.view(np.uint8)), 0
+                    while done < size:   # (in pieces: read() of it all would copy it whole)
+                        n = f.readinto(data[done:done + (1 << 22)])
+                        if not n:
+                            break
+                        done += n
+                    if done != size or f.read(1):
+                        raise ValueError(f"{path}: entry {name} is cut short")
+                    out[name] = array.reshape(shape, order="F" if fortran else "C")
+    except FileNotFoundError:
+        raise
+    except ValueError as err:
+        if str(err).startswith(f"{path}: "):
+            raise
+        raise ValueError(f"{path}: not a readable state file ({err})") from None
+    except zipfile.BadZipFile as err:
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"{path}: not a state file written by save_state (not an .npz "
+                             "archive of arrays)") from None
+        raise ValueError(f"{path}: not a readable state file ({err})") from None
+    except (OSError, EOFError, KeyError, NotImplementedError, RuntimeError) as err:
+        raise ValueError(f"{path}: not a readable state file ({err})") from None
+    return out

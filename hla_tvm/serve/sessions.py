@@ -1,6 +1,7 @@
 """Named stream states kept between requests: a folder of state files (`CompiledModel.save_state`:
 the state's entries, the digest of the model they belong to, and the token the stream chose last
-but has not fed yet), checked when read (`load_state`: names, shapes, finite values, the model),
+but has not fed yet), checked when read (`load_state`: names, shapes, finite values, the model;
+each entry's header before its data, the batch 1),
 with a count and a size limit and least-recently-used eviction. Several servers (replicas) may
 share one folder: each file is written whole through a temporary name and renamed."""
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SessionStore:
         if not os.path.isfile(path):
             raise UnknownSession(f"no session named {name!r}")
         try:
-            state = self.model.load_state(path)
+            state = self.model.load_state(path, batch=1)   # (headers checked before data)
             pending = self.model.pending_tokens(path)
         except ValueError as err:
             raise ValueError(f"session {name!r} is not usable: "

@@ -164,7 +164,7 @@ def _notice_foreign(path, target):
         try:
             t = json.loads(line)[1][2]
             seen.add((t.get("kind"), str(t.get("mcpu", "") or "")))
-        except (ValueError, IndexError, TypeError, AttributeError):
+        except (ValueError, IndexError, TypeError, AttributeError, RecursionError):
             continue
     if seen and mine not in seen:
         names = ", ".join(sorted("-".join(x for x in t if x) for t in seen))
@@ -204,22 +204,42 @@ def digest(path):
 def load(path):
     """The records in `path` as a meta_schedule database (in memory: what its JSONDatabase
     would read from the plain files), each line checked first: ValueError naming the file and
-    line when it is truncated or corrupt, or when meta_schedule cannot read it (another TVM);
-    read once per process and digest."""
-    from tvm.s_tir import meta_schedule as ms
-
+    line when it is truncated or corrupt, when meta_schedule cannot read it (another TVM), or
+    when it would crash meta_schedule's reader (`_read_apart`); read once per process and
+    digest."""
     key = (os.path.abspath(path), digest(path))
     with _LOCK:
         if key in _DATABASES:
             return _DATABASES[key]
     files = [stored(path, name) for name in FILES]
-    workloads = _check_lines(files[0], _check_workload)
-    records = _check_lines(files[1], lambda x: _check_record(x, len(workloads)))
+    data = [_contents(f) for f in files]
+    workloads, records = _parsed(files, data)
+    _read_apart(files, data)
+    db = _database(files, workloads, records)
+    with _LOCK:
+        _DATABASES[key] = db
+    return db
+
+
+def _parsed(files, data):
+    """(workloads, records): the lines of the records files `files` (contents `data`), each
+    checked (`_check_lines`)."""
+    workloads = _check_lines(files[0], _check_workload, data[0])
+    return workloads, _check_lines(files[1], lambda x: _check_record(x, len(workloads)), data[1])
+
+
+def _database(files, workloads, records, at=None):
+    """A meta_schedule MemoryDatabase of the checked `workloads` and `records` (read from
+    `files`); at(file, line) is called before each line is given to meta_schedule."""
+    from tvm.s_tir import meta_schedule as ms
+
     register_intrinsics()   # traces that tensorize name them
     db = ms.database.MemoryDatabase()
 
     def commit(file, values, add):
         for n, value in enumerate(values, 1):
+            if at is not None:
+                at(file, n)
             try:
                 add(value)
             except Exception as err:   # records of another TVM version or another layout
@@ -234,31 +254,180 @@ def load(path):
         db.commit_workload(ms.database.Workload.from_json(x).mod)))
     commit(files[1], records, lambda x: db.commit_tuning_record(
         ms.database.TuningRecord.from_json(x[1], found[x[0]])))
-    with _LOCK:
-        _DATABASES[key] = db
     return db
 
 
-def _check_lines(file, check):
-    """The records in `file` (one JSON value per line, plain or packed), each passed to
-    check(), which returns a reason when it is malformed; ValueError naming the file and line
-    otherwise (meta_schedule's reader would crash the process on some malformed records, and on
-    a blank line in the tuning records)."""
+# --- reading records apart: meta_schedule's reader in a child process ---------------------------
+# The checks below refuse what is known to crash TVM's reader (a null where it expects an
+# object, a module node that contains itself, nesting deeper than its recursion survives), but
+# they cannot follow every instruction's and every IR node's fields: a folder's records are
+# first read by meta_schedule in a child process, so that a record that would still crash it
+# kills the child (a one-line ValueError naming the file and line here) and not this process.
+# The verdict is kept per content and TVM version: in memory, and for records read without
+# fault as an empty file named by that digest in the cache's CHECKED folder (`runtime.cache`).
+CHECKED = "checked"
+READ_TIMEOUT = 600   # seconds the child may take (seen: 3 s for the 20 records of a folder)
+_VERDICTS: dict = {}
+
+
+def _read_apart(files, data):
+    """Read the records files `files` (contents `data`) as `load` does in a child process,
+    once per content (`_VERDICTS`, the cache's CHECKED folder): ValueError naming the file and
+    line when meta_schedule refuses a line there or crashes on it."""
+    import sys
+
+    import tvm
+    import tvm_ffi
+
+    h = hashlib.sha256()
+    for part in (tvm.__version__, tvm_ffi.__version__, sys.version, *files, *data):
+        part = part.encode() if isinstance(part, str) else part
+        h.update(len(part).to_bytes(8, "little") + part)
+    key = h.hexdigest()
+    with _LOCK:
+        verdict = _VERDICTS.get(key, False)
+    if verdict is False:
+        marker = _marker(key)
+        verdict = None if marker and os.path.isfile(marker) else _read_in_child(files, data)
+        with _LOCK:
+            _VERDICTS[key] = verdict
+        if verdict is None and marker:
+            try:
+                from ...runtime.paths import replacing
+
+                with replacing(marker):
+                    pass
+            except OSError:   # (a read-only cache: checked again by the next process)
+                pass
+    if verdict is not None:
+        raise ValueError(verdict)
+
+
+def _marker(key):
+    """The file in the cache that records that the records of digest `key` were read without
+    fault, or None where the cache folder cannot be used."""
+    from ...runtime import cache
+
+    try:
+        return os.path.join(cache.folder(CHECKED), key)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_in_child(files, data):
+    """None when a child process reads the records (`_child`) without fault, else the error
+    (one line naming the file and line)."""
+    import signal
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))   # hla_tvm/schedule/tuning
+    top = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    # (this very package, wherever it was imported from; its folder off the path once found)
+    code = (f"import sys; sys.path.insert(0, {top!r}); import hla_tvm; del sys.path[0]; "
+            "from hla_tvm.schedule.tuning import records; records._child()")
+    payload = json.dumps({"files": files, "sizes": [len(d) for d in data]}).encode() + b"\n" + \
+        b"".join(data)
+    folder = os.path.dirname(files[0]) or "."
+    try:
+        run = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True,
+                             timeout=READ_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"{folder}: meta_schedule took more than {READ_TIMEOUT} s to read these "
+                "records; delete the folder or tune again")
+    except OSError as err:
+        raise RuntimeError(f"{folder}: cannot start a child process to read its records "
+                           f"({err})") from None
+    lines = run.stdout.decode("utf-8", "replace").splitlines()
+    at = [x[3:] for x in lines if x.startswith("at ")]
+    if run.returncode == 0 and lines and lines[-1] == "ok":
+        return None
+    if run.returncode == 2 and lines and lines[-1].startswith("error "):
+        return lines[-1][len("error "):]
+    sig = -run.returncode if run.returncode < 0 else run.returncode - 128 \
+        if run.returncode > 128 else None
+    if sig is not None:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return (f"{at[-1] if at else files[0]}: meta_schedule's reader crashes on this record "
+                f"({name}); delete the folder or tune again")
+    err = run.stderr.decode("utf-8", "replace").strip().splitlines()
+    why = f"exit {run.returncode}: {err[-1] if err else 'no message'}"
+    if at:   # (a Python error while meta_schedule read a line, MemoryError say)
+        return f"{at[-1]}: meta_schedule's reader fails on this record ({why}); delete the " \
+            "folder or tune again"
+    raise RuntimeError(f"{folder}: reading the records in a child process failed ({why})")
+
+
+def _child():
+    """The child process of `_read_in_child`: the files' names and contents from standard
+    input, read as `load` reads them; "at FILE:LINE" before each line goes to meta_schedule,
+    then "ok" (exit 0), or "error MESSAGE" (exit 2) when a line is refused."""
+    import sys
+
+    head = json.loads(sys.stdin.buffer.readline())
+    files, data = head["files"], [sys.stdin.buffer.read(n) for n in head["sizes"]]
+
+    def say(text):
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    try:
+        _database(files, *_parsed(files, data), at=lambda f, n: say(f"at {f}:{n}"))
+    except ValueError as err:
+        say("error " + " ".join(str(err).split()))
+        raise SystemExit(2) from None
+    say("ok")
+
+
+# --- checks of each line -------------------------------------------------------------------------
+MAX_DEPTH = 32   # nesting of a records line and of a workload's module graph (seen: 7 and 4)
+
+
+def _check_lines(file, check, data=None):
+    """The records in `file` (one JSON value per line, plain or packed; its contents `data`
+    where read already), each passed to check(), which returns a reason when it is malformed;
+    ValueError naming the file and line otherwise (meta_schedule's reader would crash the
+    process on some malformed records, and on a blank line in the tuning records)."""
     values = []
-    for n, line in enumerate(_contents(file).splitlines(keepends=True), 1):
+    for n, line in enumerate((_contents(file) if data is None else data)
+                             .splitlines(keepends=True), 1):
         try:
             text = line.decode("utf-8")
-            value = json.loads(text) if text.strip() else None
+            value = _json(text) if text.strip() else None
             reason = "a blank line" if not text.strip() else check(value)
         except UnicodeDecodeError as err:
             reason = f"not UTF-8 text: {err.reason}"
-        except json.JSONDecodeError as err:
+        except ValueError as err:
             reason = str(err)
         if reason:
             raise ValueError(f"{file}:{n}: not a meta_schedule record ({reason}); delete "
                              "the folder or tune again")
         values.append(value)
     return values
+
+
+def _json(text):
+    """The JSON value `text` holds; ValueError when it is not JSON or nests lists and objects
+    more than MAX_DEPTH deep (Python's parser would raise RecursionError, TVM's would crash)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        stack = [(value, 1)]
+        while stack:
+            x, depth = stack.pop()
+            if isinstance(x, (list, dict)) and depth <= MAX_DEPTH:
+                stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict)
+                                                      else x))
+            elif isinstance(x, (list, dict)):
+                break
+        else:
+            return value
+    raise ValueError(f"lists or objects nested more than {MAX_DEPTH} deep")
 
 
 def _check_workload(x):
@@ -269,23 +438,178 @@ def _check_workload(x):
             and x[0].isdigit()):
         return "a workload is [structural hash, module]"
     try:
-        base64.b64decode(x[1], validate=True)
+        raw = base64.b64decode(x[1], validate=True)
     except binascii.Error as err:
         return f"its module is not base64: {err}"
+    # (meta_schedule's base64 stream: the length of the text, 8 bytes little-endian, the text)
+    if len(raw) < 8 or int.from_bytes(raw[:8], "little") != len(raw) - 8:
+        return "its module's length does not match its text"
+    try:
+        return _check_graph(_json(raw[8:].decode("utf-8")), "its module")
+    except UnicodeDecodeError as err:
+        return f"its module is not UTF-8 text: {err.reason}"
+    except ValueError as err:
+        return f"its module: {err}"
+
+
+# the type indices of tvm_ffi's values whose serialized data holds no node index
+_POD = {0: None, 1: int, 2: bool, 3: (int, float), 5: str}   # None, int, bool, float, DataType
+_NAMESPACES = ("ir.", "prim.", "tirx.", "s_tir.", "relax.", "target.", "ffi.")
+# error, function, tensor, module, Python object: never in a workload (a tensor's or a
+# module's data is a blob TVM unpacks: a size it allocates, a library it loads)
+_OPAQUE = (67, 68, 70, 73, 74)
+
+
+def _check_graph(g, what):
+    """None when `g` is a TVM object graph (`tvm.ir.save_json`'s form) that TVM's reader
+    (tvm_ffi's FromJSONGraph) can follow: nodes of known IR types, each reference a node of
+    the graph, no node containing itself; else the reason."""
+    import tvm  # noqa: F401  (registers the IR's types)
+    from tvm_ffi import core
+
+    if not hasattr(core, "_lookup_or_register_type_info_from_type_key"):
+        return None   # (another tvm_ffi: the child process's reading stands alone)
+    if not (isinstance(g, dict) and type(g.get("root_index")) is int
+            and isinstance(g.get("nodes"), list) and g["nodes"]):
+        return f"{what} is not a TVM object graph"
+    nodes, root = g["nodes"], g["root_index"]
+    children = []
+    for i, node in enumerate(nodes):
+        kind = node.get("type") if isinstance(node, dict) else None
+        index = core._object_type_key_to_index(kind) if isinstance(kind, str) else None
+        if index is None:
+            return f"{what}'s node {i} is of no known type ({kind!r})"
+        data, kids = node.get("data"), []
+        if index in _POD:
+            ok = index == 0 or (isinstance(data, _POD[index]) and (index == 2) ==
+                                isinstance(data, bool))
+        elif index == 6:   # a device: [type, id]
+            ok = isinstance(data, list) and len(data) == 2 and all(
+                type(v) is int for v in data)
+        elif index in (65, 66):   # string, bytes
+            ok = isinstance(data, str)
+        elif index == 69:   # shape: its numbers
+            ok = isinstance(data, list) and all(type(v) is int for v in data)
+        elif index in (71, 72, 75, 76):   # array, map, list, dict: node indices
+            ok = isinstance(data, list) and (index in (71, 75) or len(data) % 2 == 0)
+            kids = data
+        elif index < 64:   # (pointers and the like)
+            return f"{what}'s node {i} is of a type no workload holds ({kind})"
+        else:
+            info = core._lookup_or_register_type_info_from_type_key(kind)
+            if index in _OPAQUE or set(_OPAQUE) & set(info.type_ancestors) or \
+                    not kind.startswith(_NAMESPACES):
+                return f"{what}'s node {i} is of a type no workload holds ({kind})"
+            ok = True
+            if isinstance(data, dict):   # fields: a node index, or a value of a POD field
+                while info is not None:
+                    for field in info.fields or ():
+                        if field.name not in data:
+                            continue
+                        pod = _POD.get(field.field_static_type_index, False)
+                        value = data[field.name]
+                        if pod is False:
+                            kids.append(value)
+                        elif pod is not None and not isinstance(value, pod):
+                            ok = False
+                    info = info.parent_type_info
+        if not ok:
+            return f"{what}'s node {i} ({kind}) holds malformed data"
+        for k in kids:
+            if type(k) is not int or not 0 <= k < len(nodes):
+                return f"{what}'s node {i} refers to node {k!r}, not one of its {len(nodes)}"
+        children.append(kids)
+    if not 0 <= root < len(nodes):
+        return f"{what}'s root {root} is not one of its {len(nodes)} nodes"
+    # (TVM's reader follows the references from the root recursively: a cycle never ends)
+    state = [0] * len(nodes)   # 0 unseen, 1 on the path, 2 done
+    stack = [(root, iter(children[root]))]
+    state[root] = 1
+    while stack:
+        node, it = stack[-1]
+        k = next(it, None)
+        if k is None:
+            state[node] = 2
+            stack.pop()
+        elif state[k] == 1:
+            return f"{what}'s node {k} contains itself"
+        elif state[k] == 0:
+            state[k] = 1
+            stack.append((k, iter(children[k])))
     return None
 
 
 def _check_record(x, workloads):
-    if not (isinstance(x, list) and len(x) == 2 and isinstance(x[0], int)
+    if not (isinstance(x, list) and len(x) == 2 and type(x[0]) is int
             and isinstance(x[1], list) and len(x[1]) == 4):
         return "a record is [workload index, [trace, run seconds, target, arguments]]"
     trace, secs, target, args = x[1]
     if not 0 <= x[0] < workloads:
         return f"workload index {x[0]} of {workloads} workloads"
     if not (isinstance(trace, list) and isinstance(secs, list) and isinstance(target, dict)
-            and isinstance(args, list) and "kind" in target
-            and all(isinstance(t, (int, float)) for t in secs)):
+            and isinstance(args, list) and isinstance(target.get("kind"), str)
+            and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in secs)):
         return "a record is [workload index, [trace, run seconds, target, arguments]]"
+    return _check_trace(trace)
+
+
+def _check_trace(trace):
+    """None when `trace` (a record's) has the form meta_schedule's reader (`Trace::
+    ApplyJSONToSchedule`) expects, else the reason: [instructions, decisions], an
+    instruction [kind, inputs, attributes, outputs] of a registered kind, no null among its
+    inputs and attributes (but a TransformLayout's pad value), an index map (a string "{...}":
+    a TVM object graph) that `_check_graph` passes, its outputs names; a decision [index of
+    an instruction, value]."""
+    from tvm.s_tir.schedule import InstructionKind
+
+    if not (len(trace) == 2 and all(isinstance(t, list) for t in trace)):
+        return "a trace is [instructions, decisions]"
+    insts, decisions = trace
+
+    def values(x):   # (every value in x, lists and objects opened)
+        stack = [x]
+        while stack:
+            v = stack.pop()
+            yield v
+            if isinstance(v, list):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+
+    kinds = {}
+    for i, inst in enumerate(insts):
+        if not (isinstance(inst, list) and len(inst) == 4 and isinstance(inst[0], str)
+                and all(isinstance(t, list) for t in inst[1:])
+                and all(isinstance(t, str) for t in inst[3])):
+            return (f"instruction {i} is not [kind, inputs, attributes, outputs] with "
+                    "outputs named")
+        kind, inputs, attrs, _ = inst
+        if kind not in kinds:
+            try:
+                InstructionKind.get(kind)
+                kinds[kind] = True
+            except Exception:   # noqa: BLE001  (TVM's error for an unregistered kind)
+                kinds[kind] = False
+        if not kinds[kind]:
+            return f"instruction {i}: {kind!r} is no instruction of this TVM"
+        optional = (2,) if kind == "TransformLayout" else ()   # (its pad value)
+        attrs = [a for j, a in enumerate(attrs) if a is not None or j not in optional]
+        for what, given in (("inputs", inputs), ("attributes", attrs)):
+            for v in values(given):
+                if v is None:
+                    return f"instruction {i} ({kind}) has a null among its {what}"
+                if isinstance(v, str) and v.startswith("{") and v.endswith("}"):
+                    reason = _check_graph(_json(v), f"instruction {i}'s index map")
+                    if reason:
+                        return reason
+    for d in decisions:
+        if not (isinstance(d, list) and len(d) == 2 and type(d[0]) is int
+                and 0 <= d[0] < len(insts)):
+            return (f"a decision is [index of one of the {len(insts)} instructions, value], "
+                    f"got {json.dumps(d)[:60]}")
+        if d[1] is not None and not (type(d[1]) is int or (isinstance(d[1], list) and all(
+                type(v) is int for v in d[1]))):
+            return f"the decision of instruction {d[0]} is not an integer or integers"
     return None
 
 

@@ -465,6 +465,8 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     work = os.path.join(out, "work")
     os.makedirs(work, exist_ok=True)
     records.unpack(out)   # a compressed folder's records kept (and a damaged one refused now)
+    if all(records.stored(out, f) for f in records.FILES):
+        records.load(out)   # (checked apart before meta_schedule's JSONDatabase reads them here)
     names = sorted(kernels)
 
     def runner_secs(funcs, args_info=None):
