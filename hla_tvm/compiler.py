@@ -406,7 +406,11 @@ def executable(mod, meta, target, records_path=None):
         mod, report = prepare(mod, target, sch)
         meta = {**meta, "quantize": {**sch.as_meta(), **report}}
     mod, used = schedule_model(mod, target, records_path)
-    meta = {**meta, "device": "cuda" if target.kind.name == "cuda" else "cpu", "schedules": {
+    from .target import cpu_features
+
+    features = cpu_features(target)   # what the loader checks this CPU for
+    meta = {**meta, **({"cpu_features": features} if features else {}),
+            "device": "cuda" if target.kind.name == "cuda" else "cpu", "schedules": {
         "target": records.target_folder(target), "records": records.display(records_path),
         "records_sha256": None if records_path is None else records.digest(records_path),
         **used}}

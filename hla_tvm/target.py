@@ -28,11 +28,57 @@ CUDA_LIMITS = {"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_w
 
 @functools.lru_cache(maxsize=None)
 def host_target():
-    """The machine we run on: LLVM for the host CPU model with all its cores."""
+    """The machine we run on: LLVM for the host CPU model with all its cores, and with the
+    features the CPU reports where LLVM's model of that name differs (`host_mattr`)."""
     import tvm
 
-    return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1,
-                              "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+    config = {"kind": "llvm", "num-cores": os.cpu_count() or 1,
+              "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+    mattr = host_mattr(config["mcpu"])
+    return tvm.target.Target({**config, "mattr": mattr} if mattr else config)
+
+
+def host_mattr(mcpu):
+    """["+feature", "-feature", ...]: the x86 features (`runtime.cpu_features.X86`) this CPU
+    reports that LLVM's CPU model `mcpu` lacks, and those the model has that this CPU does not
+    report (a VM that masks them); [] where the two agree or the features cannot be read."""
+    import tvm
+
+    from .runtime.cpu_features import X86, host_features
+
+    have = host_features()
+    if have is None:
+        return []
+    model = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    out = []
+    for feature in X86.values():
+        try:
+            in_model = bool(tvm.target.codegen.target_has_features(feature, model))
+        except Exception:  # noqa: BLE001 - a feature this LLVM does not know
+            continue
+        if in_model != (feature in have):
+            out.append(("+" if feature in have else "-") + feature)
+    return out
+
+
+def cpu_features(target):
+    """The x86 features (LLVM names, `runtime.cpu_features.X86`) that code compiled for the
+    resolved llvm `target` may use: what its module's metadata records and its loader checks;
+    [] for other architectures and kinds."""
+    import tvm
+
+    from .runtime.cpu_features import X86
+
+    if target.kind.name != "llvm" or target_arch(target) != "x86_64":
+        return []
+    out = []
+    for feature in X86.values():
+        try:
+            if tvm.target.codegen.target_has_features(feature, target):
+                out.append(feature)
+        except Exception:  # noqa: BLE001 - a feature this LLVM does not know
+            continue
+    return out
 
 
 def parse(text):

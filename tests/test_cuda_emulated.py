@@ -126,13 +126,16 @@ def test_emulated_quantized_products_match_float64(target, name, rows):
 
     from hla_tvm.compiler import cuda_default_schedules
     from hla_tvm.quant import kernels
-    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+    from hla_tvm.quant.panels import stored as layout
+    from hla_tvm.quant.scheme import activations, dequantize, quantize, scheme
     from hla_tvm.tools import cuda_emulator as emulator
 
     sch = scheme(name, 32 if name == "int4" else None)
     k, n = 128, 96
     rng = np.random.default_rng(0)
     packed = quantize(sch, rng.standard_normal((k, n)).astype("float32"))
+    want_w = dequantize(sch, packed).astype(np.float64)
+    packed = {**packed, "q": layout(sch, packed["q"], None)}   # (bf16: in row pairs)
     x = te.placeholder((2, rows, k), "float32", name="x")
     stored = [te.placeholder(a.shape, str(a.dtype), name=key) for key, a in packed.items()]
     out = kernels.matmul(x, stored[0], stored[1] if len(stored) > 1 else None, sch=sch, k=k,
@@ -143,7 +146,7 @@ def test_emulated_quantized_products_match_float64(target, name, rows):
     shapes = [(t.shape, t.dtype) for t in (x, *stored, out)]
     kern = emulator.Emulated(mod["main"], shapes, target)
     xs = rng.standard_normal((2, rows, k)).astype("float32")
-    want = xs.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
+    want = activations(sch, xs).astype(np.float64) @ want_w
     for mode in (emulator.FORWARD, emulator.REVERSE):
         got = torch.full((2, rows, n), float("nan"))
         kern(torch.from_numpy(xs), *[torch.from_numpy(a) for a in packed.values()], got,

@@ -149,3 +149,23 @@ def test_export_keeps_one_node_per_layer():
     ep = torch.export.export(Wrap(m), (torch.zeros(1, 5, dtype=torch.int64),))
     nodes = [n for n in ep.graph.nodes if n.target is torch.ops.hla_tvm.hla.default]
     assert len(nodes) == 3
+
+
+def test_model_under_bfloat16_autocast_prefills_and_decodes():
+    """HLALM under torch.autocast("cpu", bfloat16), as a user runs it for speed: prefill and a
+    decode step (in-place state updates) run, the state stays float32 and the logits stay
+    within bfloat16's precision of float32 PyTorch (the products round to 8 bits)."""
+    from hla_tvm.models import HLALM
+
+    torch.manual_seed(0)
+    model = HLALM(40, 32, 2, 4, chunk_size=16).eval()
+    tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, state = model(tokens, None)
+        want_step, _ = model(tokens[:, :1], state)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, cast_state = model(tokens, None)
+            step, _ = model(tokens[:, :1], cast_state)
+    assert all(x.dtype == torch.float32 for layer in cast_state for x in layer.values())
+    for a, b in ((got, want), (step, want_step)):
+        assert float((a.float() - b).abs().max() / b.abs().max()) < 2e-2

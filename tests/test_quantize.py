@@ -126,7 +126,9 @@ def _compiled(tmp_path_factory, name, group, tied, d_model=32, **config):
 
 def _check_against_pytorch(model, path, sch, T=37):
     """Prefill T tokens then one decode step of the module at `path` against `model` with the
-    dequantized weights, float32 PyTorch (<= 1e-4 relative)."""
+    dequantized weights, float32 PyTorch (<= 1e-4 relative; bf16, whose products round their
+    inputs to bfloat16, 4e-3: an input within float32 noise of a rounding tie rounds either way,
+    a term off by one bfloat16 step, 2^-8 relative)."""
     from hla_tvm import runtime
     from hla_tvm.quant.torch_weights import dequantized_model
 
@@ -137,10 +139,11 @@ def _check_against_pytorch(model, path, sch, T=37):
         want, _ = ref(tokens, None)
         plain, _ = model(tokens, None)
     state = mod.init_state(2)
+    tol = 4e-3 if sch.name == "bf16" else 1e-4
     got = torch.from_numpy(np.asarray(mod.prefill(tokens[:, :T].numpy(), state)[0]))
-    assert rel_err(got, want[:, :T]) <= 1e-4
+    assert rel_err(got, want[:, :T]) <= tol
     step = torch.from_numpy(np.asarray(mod.decode(tokens[:, T].numpy(), state)[0]))
-    assert rel_err(step, want[:, T]) <= 1e-4
+    assert rel_err(step, want[:, T]) <= tol
     return rel_err(want, plain), mod
 
 
@@ -268,7 +271,8 @@ def test_onnx_file_with_quantized_weights_runs_everywhere_and_compiles_alike(nam
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     exact = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     got = exact.run(None, {"tokens": tokens.numpy()})[0]
-    assert rel_err(torch.from_numpy(got), want) <= 1e-4
+    tol = 4e-3 if name == "bf16" else 1e-4   # (`_check_against_pytorch`)
+    assert rel_err(torch.from_numpy(got), want) <= tol
     fused = hla_onnx.session(path).run(None, {"tokens": tokens.numpy()})[0]
     assert rel_err(torch.from_numpy(fused), want) <= 2e-2
     lib = hla_onnx.compile(path, out=tmp_path / "onnx.so")
@@ -278,7 +282,7 @@ def test_onnx_file_with_quantized_weights_runs_everywhere_and_compiles_alike(nam
     assert a.meta["quantize"]["packed"] == b.meta["quantize"]["packed"] == 9
     la = a.prefill(tokens.numpy(), a.init_state(2))[0]
     lb = b.prefill(tokens.numpy(), b.init_state(2))[0]
-    assert np.abs(la - lb).max() <= 1e-5 * np.abs(lb).max()
+    assert np.abs(la - lb).max() <= (tol if name == "bf16" else 1e-5) * np.abs(lb).max()
     with pytest.raises(ValueError, match="already"):
         hla_onnx.compile(path, out=tmp_path / "other.so",
                          quantize="int8" if name != "int8" else "int4")

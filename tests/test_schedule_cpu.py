@@ -96,8 +96,8 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, b
     every row tile."""
     from hla_tvm.frontend.pack_weights import panel_width
     from hla_tvm.quant.kernels import DEQUANTIZE, matmul
-    from hla_tvm.quant.panels import to_panels
-    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+    from hla_tvm.quant.panels import stored
+    from hla_tvm.quant.scheme import activations, dequantize, quantize, scheme
 
     k, n = 64, 256
     sch = scheme(name, group)
@@ -108,7 +108,7 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, b
     entries = 2 if batch == "b" else batch
     x = te.placeholder(_i64(b, t, k), name="x")
     packed = quantize(sch, RNG.standard_normal((k, n)).astype(np.float32) * 0.1)
-    qs = to_panels(packed["q"], p)
+    qs = stored(sch, packed["q"], p)
     q = te.placeholder(_i64(*qs.shape), str(qs.dtype), name="q")
     scale = packed.get("scale", np.ones((1, n), np.float32))
     s = te.placeholder(_i64(*scale.shape), name="s")
@@ -123,7 +123,7 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, b
     xs = RNG.standard_normal((entries, rows, k)).astype(np.float32)
     got = tvm.runtime.tensor(np.zeros((entries, rows, n), np.float32))
     lib["main"](*[tvm.runtime.tensor(a) for a in (xs, qs, np.ascontiguousarray(scale))], got)
-    want = xs.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
+    want = activations(sch, xs).astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 

@@ -92,26 +92,41 @@ def _module_cases(model, name, schemes, target, batch, prompt):
     return cases, sizes
 
 
+def has_bf16_units():
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), where
+    PyTorch's bfloat16 autocast is a peer to beat."""
+    from ..runtime.cpu_features import host_features
+
+    return bool({"avx512bf16", "amx-bf16"} & (host_features() or set()))
+
+
 def _torch_cases(model, batch, prompt, compiled):
-    """{name: (decode step, prefill)} of PyTorch eager and torch.compile."""
+    """{name: (decode step, prefill)} of PyTorch eager and torch.compile, each also under
+    bfloat16 autocast where the CPU has bfloat16 units (`has_bf16_units`)."""
+    import contextlib
+
     tok = torch.zeros(batch, 1, dtype=torch.int64)
     ids = torch.zeros(batch, prompt, dtype=torch.int64)
     out = {}
     forms = [("torch", model)]
     if compiled:
         forms.append(("torch.compile", torch.compile(model)))
+    autocasts = [("", contextlib.nullcontext)]
+    if has_bf16_units():
+        autocasts.append((" bf16", lambda: torch.autocast("cpu", dtype=torch.bfloat16)))
     for name, fn in forms:
-        state = {"s": model.init_state(batch)}
+        for label, cast in autocasts:
+            state = {"s": model.init_state(batch)}
 
-        def step(f=fn, st=state):
-            with torch.no_grad():
-                _, st["s"] = f(tok, st["s"])
+            def step(f=fn, st=state, c=cast):
+                with torch.no_grad(), c():
+                    _, st["s"] = f(tok, st["s"])
 
-        def prefill(f=fn):
-            with torch.no_grad():
-                f(ids, None)
+            def prefill(f=fn, c=cast):
+                with torch.no_grad(), c():
+                    f(ids, None)
 
-        out[name] = (step, prefill)
+            out[name + label] = (step, prefill)
     return out
 
 

@@ -96,6 +96,8 @@ def _module_info(path, meta):
     lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
                                 "hla-tvm run --device cuda)" if meta.get("device") == "cuda"
                                 else f"an {host} CPU"))
+    if meta.get("cpu_features"):
+        lines.append("CPU features: " + " ".join(meta["cpu_features"]))
     lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
                  f"max batch: {meta.get('max_batch') or 'any'}")
     lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(

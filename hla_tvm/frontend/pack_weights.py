@@ -12,6 +12,7 @@ groups stays as it was (`kept`); so does a float32 embedding table that no produ
 (a lookup reads its rows whole)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -26,6 +27,17 @@ def panel_width(n, target):
     from ..schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
 
     return tile_shape(1, n, vector_lanes(target))[1]
+
+
+def _rows(x):
+    """The static row count of the activations `x` [.., rows, K] (1: a decode step), or None
+    (symbolic, or fewer than two axes)."""
+    import tvm
+
+    shape = getattr(x.ty, "shape", None)
+    if shape is None or len(shape) < 2 or not isinstance(shape[-2], tvm.tirx.IntImm):
+        return None
+    return int(shape[-2])
 
 
 def weight_operand(expr, lookup):
@@ -72,10 +84,14 @@ def pack_weights(mod, sch, target):
     from tvm import relax
 
     from ..quant import kernels
-    from ..quant.panels import to_panels
+    from ..quant import amx
+    from ..quant.panels import stored
     from ..quant.scheme import nbytes, quantize
 
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
+    # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`)
+    amx_ok = sch is not None and sch.name == "bf16" and amx.available(target)
+    amx_funcs = {}   # (K, N, P) -> the GlobalVar of its kernel
     packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width) or None
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
     phase = {"products": True}   # the pass rewrites the products, or the lookups
@@ -100,7 +116,7 @@ def pack_weights(mod, sch, target):
                 report["bytes"] += nbytes(arrays)
                 report["float_bytes"] += int(w.nbytes)
                 scale = arrays.get("scale")
-                packed[key] = (relax.const(to_panels(arrays["q"], p)),
+                packed[key] = (relax.const(stored(sch, arrays["q"], p)),
                                None if scale is None else relax.const(scale), p)
         return packed[key]
 
@@ -125,6 +141,10 @@ def pack_weights(mod, sch, target):
             extra = dict(sch=sch, k=k, n=n, group=None if sch is None else sch.group(k),
                          panel=p)
 
+            if name == "matmul" and sch is not None and sch.name == "bf16" and \
+                    amx_ok and amx.fits(k, n, p) and _rows(data) != 1:
+                return self._amx_matmul(data, q, k, n, p)
+
             def te_fn(arg, qt, *st):
                 s = st[0] if st else None   # (bf16 has no scales)
                 if name == "matmul":
@@ -135,6 +155,25 @@ def pack_weights(mod, sch, target):
             return self.builder_.call_te(te_fn, data, q, *([] if scale is None else [scale]),
                                          primfunc_name_hint=f"{sch.name}_{name}" if sch else
                                          f"stored_{name}")
+
+        def _amx_matmul(self, x, q, k, n, p):
+            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) on AMX tiles
+            (`quant.amx`): x as [M, K] rows, the kernel's bf16 copy of them a scratch output."""
+            from tvm import tirx
+
+            lead = list(x.ty.shape)[:-1]
+            m = functools.reduce(lambda a, b: a * b, lead, tirx.IntImm("int64", 1))
+            key = (k, n, p)
+            if key not in amx_funcs:
+                fname = f"amx_bf16_matmul_{k}_{n}"
+                amx_funcs[key] = self.builder_.add_func(amx.matmul_func(k, n, p, fname), fname)
+            rows = self.builder_.emit(relax.op.reshape(x, [m, k]))
+            padded = (m + amx.ROWS - 1) // amx.ROWS * amx.ROWS
+            res = self.builder_.emit(relax.call_tir(
+                amx_funcs[key], [rows, q], [relax.TensorType([m, n], "float32"),
+                                            relax.TensorType([padded, k], "uint16")]))
+            out = self.builder_.emit(relax.TupleGetItem(res, 0))
+            return relax.op.reshape(out, [*lead, n])
 
         def visit_call_(self, call):
             call = super().visit_call_(call)

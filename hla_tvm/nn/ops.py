@@ -28,9 +28,12 @@ def _run(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge
     names = state_names(order, asymmetric)
     extra = dict(masked=masked, ridge=ridge) if ops.get(order, asymmetric).has_mask_ridge \
         else {}
-    out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps,
-                   decay=decay, state=dict(zip(names, state)) if state else None,
-                   return_state=True, backend="torch", chunk_size=chunk_size, **extra)
+    # (under torch.autocast the operator keeps its own precision: inputs as given, the state
+    # float32; autocast's casts inside it would mix dtypes in its in-place updates)
+    with torch.autocast(q.device.type, enabled=False):
+        out, st = _hla(q, k, v, order=order, asymmetric=asymmetric, normalize=normalize,
+                       eps=eps, decay=decay, state=dict(zip(names, state)) if state else None,
+                       return_state=True, backend="torch", chunk_size=chunk_size, **extra)
     dtypes = [x.dtype for x in state] if state else [state_dtype(q.dtype)] * len(names)
     return out, [st[n].to(dt) for n, dt in zip(names, dtypes)]
 

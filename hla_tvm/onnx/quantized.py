@@ -4,7 +4,9 @@ runs the file and ONNX Runtime can fuse the dequantization into its products:
     int8, int4   DequantizeLinear(q, scale) of an INT8 / INT4 initializer (symmetric: no zero
                  point); per output channel (axis of N, no block_size) or in blocks of
                  `group_size` input elements (block_size along the axis of K)
-    bf16         Cast(to=FLOAT) of a BFLOAT16 initializer
+    bf16         Cast(to=FLOAT) of a BFLOAT16 initializer; the MatMul's activations rounded
+                 to bfloat16 too (Cast to BFLOAT16 and back), as a bf16 module's products take
+                 them (`quant.scheme.activations`)
 
 The weights are those `hla_tvm.quant` packs, in the layout the graph reads them: a MatMul's
 B [K, N] (blocks along axis 0) and a Gather's table [rows, K] (blocks along axis 1); the values
@@ -38,6 +40,19 @@ def _int4_tensor(name, values):
     packed = ((flat[0::2] & 15) | ((flat[1::2] & 15) << 4)).astype(np.uint8)
     return helper.make_tensor(name, TensorProto.INT4, list(values.shape), packed.tobytes(),
                               raw=True)
+
+
+def _round_input_bf16(graph, node):
+    """In place: the MatMul `node`'s first input through Cast to BFLOAT16 and back to FLOAT,
+    two nodes just before it."""
+    x = node.input[0]
+    mid, out = node.name + "_a_bf16", node.name + "_a_rounded"
+    where = list(graph.node).index(node)
+    graph.node.insert(where, helper.make_node("Cast", [mid], [out], to=TensorProto.FLOAT,
+                                              name=out))
+    graph.node.insert(where, helper.make_node("Cast", [x], [mid], to=TensorProto.BFLOAT16,
+                                              name=mid))
+    node.input[0] = out
 
 
 def quantize_initializers(model, sch):
@@ -74,6 +89,9 @@ def quantize_initializers(model, sch):
                 np.ascontiguousarray(q).tobytes(), raw=True))
             nodes.append(helper.make_node("Cast", [q_name], [name], to=TensorProto.FLOAT,
                                           name=name + "_dequantize"))
+            for n, i in uses:
+                if n.op_type == "MatMul" and i == 1:
+                    _round_input_bf16(graph, n)
             continue
         vals, scale = values(sch, packed), packed["scale"]
         if not as_b:
@@ -159,4 +177,28 @@ def dequantized(model):
         for x in node.input:
             if x and not _consumers(graph, x) and x in inits:
                 graph.initializer.remove(inits.pop(x))
+    if sch.name == "bf16":   # the products' own rounding (`_round_input_bf16`): the compiled
+        _drop_bf16_round_trips(graph)   # bf16 kernels round their activations themselves
     return model, sch
+
+
+def _drop_bf16_round_trips(graph):
+    """In place: every Cast to BFLOAT16 whose one consumer is a Cast to FLOAT feeding only
+    MatMuls removed, those MatMuls reading the first Cast's input."""
+    def to(node):
+        return next((a.i for a in node.attribute if a.name == "to"), None)
+
+    for first in list(graph.node):
+        if first.op_type != "Cast" or to(first) != TensorProto.BFLOAT16:
+            continue
+        uses = _consumers(graph, first.output[0])
+        if len(uses) != 1 or uses[0][0].op_type != "Cast" or to(uses[0][0]) != TensorProto.FLOAT:
+            continue
+        second = uses[0][0]
+        readers = _consumers(graph, second.output[0])
+        if not readers or any(n.op_type != "MatMul" or i != 0 for n, i in readers):
+            continue
+        for n, i in readers:
+            n.input[i] = first.input[0]
+        graph.node.remove(first)
+        graph.node.remove(second)

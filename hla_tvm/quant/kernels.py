@@ -3,6 +3,7 @@ in the layout they are stored in (`panels`) and dequantize them where they are u
 copy of a weight exists at run time.
 
     matmul(x [.., K], q, scale) -> [.., N]      out[.., n] = sum_k x[.., k] * W[k, n]
+                                                (bf16: x rounded to bfloat16, `round_bf16`)
     take(q, scale, ids [..])   -> [.., K]       out[.., k] = W[k, clip(id (+ N if < 0), 0, N - 1)]
 
 W[k, n] is `dequantized(k, n)`: a stage of its own (DEQUANTIZE) that the schedule inlines
@@ -22,9 +23,10 @@ def dequantized(sch, q, scale, k, n, group, panel=None):
 
     if sch is None:
         return at(q, k, n, panel)
-    if sch.name == "bf16":
-        return tirx.reinterpret("float32", at(q, k, n, panel).astype("uint32")
-                                << tirx.const(16, "uint32"))
+    if sch.name == "bf16":   # row pairs (`panels.pairs`): the low half for even k
+        pair = at(q, k // 2, n, panel)
+        return tirx.reinterpret("float32", tirx.Select(
+            k % 2 == 0, pair << tirx.const(16, "uint32"), pair & tirx.const(0xFFFF0000, "uint32")))
     value = stored_integer(sch, q, k, n, panel)
     if sch.name == "int4":
         value = value - tirx.const(8.0, "float32")
@@ -109,9 +111,22 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
 
     w = te.compute((k, n), lambda i, j: dequantized(sch, q, scale, i, j, group, panel),
                    name=DEQUANTIZE)
+    if sch is not None and sch.name == "bf16":   # bf16 products take bf16 activations
+        x = te.compute(x.shape, lambda *i: round_bf16(x(*i)), name="round_bf16")
     r = te.reduce_axis((0, k), name="k")
     return te.compute((*x.shape[:-1], n),
                       lambda *i: te.sum(x[(*i[:-1], r)] * w[r, i[-1]], axis=r), name="matmul")
+
+
+def round_bf16(value):
+    """The float32 TIR expression `value` rounded to bfloat16 (nearest even), as float32
+    (`scheme.activations`)."""
+    from tvm import tirx
+
+    bits = tirx.reinterpret("uint32", value)
+    half = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+    return tirx.reinterpret("float32", (bits + tirx.const(0x7FFF, "uint32") + half)
+                            & tirx.const(0xFFFF0000, "uint32"))
 
 
 def take(q, scale, ids, *, sch, k, n, group, panel=None):

@@ -2,7 +2,9 @@
 layout a projection x [.., K] @ W reads, and the embedding table's transpose), in numpy.
 
     bf16   q [K, N] uint16: the upper half of W's float32 bits, rounded to nearest even;
-           W = float32 bits q << 16
+           W = float32 bits q << 16. Its products take the activations rounded the same way
+           (`activations`) and accumulate in float32, as bfloat16 matrix units (AMX, AVX512-BF16)
+           and PyTorch's bfloat16 autocast compute
     int8   q [K, N] int8 = round(W / s), s [1, N] = max_k |W[:, n]| / 127 (per output
            channel), or s [K / g, N] per group of g input elements; W = q * s[k // g, n]
     int4   q [K / 2, N] uint8: two 4-bit values u = round(W / s) + 8 in 0..15 a byte (row k in
@@ -35,8 +37,11 @@ class Scheme:
         return {"scheme": self.name, "group_size": self.group_size}
 
     def fits(self, k):
-        """Whether a weight with K = `k` input elements can take this scheme."""
+        """Whether a weight with K = `k` input elements can take this scheme (bf16: K even, as
+        a CPU module stores it in row pairs, `panels.pairs`)."""
         g = self.group_size
+        if self.name == "bf16":
+            return k % 2 == 0
         return g is None or (k % g == 0 and (self.name != "int4" or g % 2 == 0))
 
     def group(self, k):
@@ -99,9 +104,7 @@ def quantize(sch, w):
         raise ValueError(f"K = {k} input elements do not split into groups of "
                          f"{sch.group_size}")
     if sch.name == "bf16":
-        bits = w.view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return {"q": rounded.astype(np.uint16)}
+        return {"q": bf16_bits(w)}
     g = sch.group(k)
     groups = w.reshape(k // g, g, n).astype(np.float64)
     top = 127 if sch.name == "int8" else 7
@@ -112,6 +115,20 @@ def quantize(sch, w):
         return {"q": q.astype(np.int8), "scale": scale}
     u = (q + 8).astype(np.uint8)
     return {"q": (u[0::2] | (u[1::2] << 4)).astype(np.uint8), "scale": scale}
+
+
+def bf16_bits(a):
+    """The bfloat16 bits (uint16) of the float32 array `a`, rounded to nearest even."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def activations(sch, x):
+    """The activations a product of a module packed under `sch` (None: float32) multiplies:
+    for bf16 the float32 array `x` rounded to bfloat16 (as float32), else `x`."""
+    if sch is None or sch.name != "bf16":
+        return x
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32).reshape(np.shape(x))
 
 
 def values(sch, packed):

@@ -23,7 +23,9 @@ def dequantized_weight(sch, weight):
 
 def dequantized_model(model, sch):
     """A copy of `model` (float32) whose nn.Linear and nn.Embedding weights are
-    `dequantized_weight`s (a weight shared by several modules, a tied head, stays shared)."""
+    `dequantized_weight`s (a weight shared by several modules, a tied head, stays shared); for
+    bf16 its nn.Linear inputs are rounded to bfloat16 too (`scheme.activations`), as a bf16
+    module's products take them."""
     out = copy.deepcopy(model).float()
     done = {}
     with torch.no_grad():
@@ -33,4 +35,12 @@ def dequantized_model(model, sch):
                 if id(w) not in done:
                     done[id(w)] = dequantized_weight(sch, w)
                     w.copy_(done[id(w)])
+                if sch.name == "bf16" and isinstance(module, nn.Linear) and \
+                        sch.fits(w.shape[1]):
+                    module.register_forward_pre_hook(_bf16_inputs)
     return out
+
+
+def _bf16_inputs(_module, args):
+    """A forward pre-hook: the first input rounded to bfloat16 (nearest even), as float32."""
+    return (args[0].to(torch.bfloat16).float(), *args[1:])

@@ -21,7 +21,7 @@ import zipfile
 
 import numpy as np
 
-from . import libfile
+from . import cpu_features, libfile
 from .pool import (
     Adaptive,
     env_threads,
@@ -176,7 +176,10 @@ class CompiledModel:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no compiled module at {path}")
-        _check_device(path, read_meta(path), kind)   # (from the library's note, before loading)
+        meta = read_meta(path)   # (from the library's note, before loading)
+        _check_device(path, meta, kind)
+        if kind == "cpu":
+            cpu_features.check(path, meta)   # (its code on a CPU without them: SIGILL)
         # a fixed count (threads=, $TVM_NUM_THREADS), else chosen per kind of call (`_chooser`)
         self.adaptive = threads is None and not env_threads()
         self.threads = set_threads(threads)

@@ -1,0 +1,182 @@
+"""A prefill's product on Intel AMX tiles: x [M, K] float32 @ W [K, N] stored in bfloat16 pairs,
+float32 out, with bfloat16 products accumulated in float32 (TDPBF16PS):
+
+    out[m, n] = sum_k bf16(x[m, k]) * W[k, n]          bf16(): round to nearest even
+
+W is the bf16 scheme's stored weight (`scheme`), in row pairs in panels (`panels.pairs`,
+`panels.to_panels`): q[n // P, r, n % P] holds W[2r, n] in its low half and W[2r + 1, n] in its
+high half, which is the layout of AMX's B tile (a tile row: 16 columns of one row pair), so the
+tiles load straight from the stored weight (a pair row every 4 P bytes).
+
+The function (`matmul_func`, symbolic M):
+    xb[M', K] = bf16(x), M' = M rounded up to 32 rows (the rest zero)      (parallel rows)
+    for each 32-column block (parallel): for each 32-row block:
+        c[32, 32] = xb[rows] @ W[:, cols]     (`KERNEL`: 2 x 2 tiles of 16 x 16, K in steps of 32)
+        out[rows < M, cols] = c
+
+`KERNEL` is LLVM IR linked into the module (`pragma_import_llvm`), on LLVM's AMX intrinsics
+(TVM 0.27 has no AMX intrinsic of its own); LLVM configures the tiles (ldtilecfg) in the
+function. Linux hands AMX's tile state to a process that asks for it once (arch_prctl
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): `INIT` does, on the first call of a process, and the
+function runs no tile instruction where the kernel refuses it (returns -1; the caller then
+gets the error)."""
+from __future__ import annotations
+
+ROWS = COLS = 32          # the output block of one kernel call: 2 x 2 tiles of 16 x 16 float32
+STEP = 32                 # K per TDPBF16PS (16 rows of bf16 pairs)
+CHUNK = 128               # rows a worker converts and multiplies with every column block
+FEATURES = ("amx-tile", "amx-bf16")
+KERNEL_NAME, INIT_NAME = "hla_tvm_amx_bf16_32x32", "hla_tvm_amx_init"
+
+# arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18) through syscall(158, ...),
+# once a process (the answer kept: 1 granted, -1 refused)
+INIT = f"""
+@hla_tvm_amx_ready = internal global i32 0
+declare i64 @syscall(i64, ...)
+define i32 @{INIT_NAME}() {{
+entry:
+  %r = load atomic i32, ptr @hla_tvm_amx_ready monotonic, align 4
+  %known = icmp ne i32 %r, 0
+  br i1 %known, label %done, label %ask
+ask:
+  %s = call i64 (i64, ...) @syscall(i64 158, i64 4131, i64 18)
+  %granted = icmp eq i64 %s, 0
+  %v = select i1 %granted, i32 1, i32 -1
+  store atomic i32 %v, ptr @hla_tvm_amx_ready monotonic, align 4
+  br label %done
+done:
+  %out = phi i32 [ %r, %entry ], [ %v, %ask ]
+  ret i32 %out
+}}
+"""
+
+# c[32, 32] (row stride ldc floats) = a[32, 32 steps] bf16 (row stride lda elements)
+#   x b (`steps` x 16 pair rows, row stride ldb bytes; 32 columns: two tiles 64 bytes apart)
+KERNEL = f"""
+declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)
+declare x86_amx @llvm.x86.tdpbf16ps.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)
+declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)
+declare x86_amx @llvm.x86.tilezero.internal(i16, i16)
+define i32 @{KERNEL_NAME}(ptr %c, i64 %ldc, ptr %a, i64 %lda, ptr %b, i64 %ldb,
+                                   i64 %steps) #0 {{
+entry:
+  %sa = mul i64 %lda, 2
+  %sc = mul i64 %ldc, 4
+  %bstep = mul i64 %ldb, 16
+  %a1 = mul i64 %sa, 16
+  %z00 = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %z01 = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %z10 = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  %z11 = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %d00 = phi x86_amx [%z00, %entry], [%e00, %loop]
+  %d01 = phi x86_amx [%z01, %entry], [%e01, %loop]
+  %d10 = phi x86_amx [%z10, %entry], [%e10, %loop]
+  %d11 = phi x86_amx [%z11, %entry], [%e11, %loop]
+  %aoff = mul i64 %i, 64
+  %pa0 = getelementptr i8, ptr %a, i64 %aoff
+  %pa1 = getelementptr i8, ptr %pa0, i64 %a1
+  %boff = mul i64 %i, %bstep
+  %pb0 = getelementptr i8, ptr %b, i64 %boff
+  %pb1 = getelementptr i8, ptr %pb0, i64 64
+  %ta0 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pa0, i64 %sa)
+  %ta1 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pa1, i64 %sa)
+  %tb0 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pb0, i64 %ldb)
+  %tb1 = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %pb1, i64 %ldb)
+  %e00 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %d00,
+                                                   x86_amx %ta0, x86_amx %tb0)
+  %e01 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %d01,
+                                                   x86_amx %ta0, x86_amx %tb1)
+  %e10 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %d10,
+                                                   x86_amx %ta1, x86_amx %tb0)
+  %e11 = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, x86_amx %d11,
+                                                   x86_amx %ta1, x86_amx %tb1)
+  %next = add i64 %i, 1
+  %more = icmp slt i64 %next, %steps
+  br i1 %more, label %loop, label %exit
+exit:
+  %pc1 = getelementptr i8, ptr %c, i64 64
+  %c16 = mul i64 %sc, 16
+  %pc2 = getelementptr i8, ptr %c, i64 %c16
+  %pc3 = getelementptr i8, ptr %pc2, i64 64
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %c, i64 %sc, x86_amx %e00)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %pc1, i64 %sc, x86_amx %e01)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %pc2, i64 %sc, x86_amx %e10)
+  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %pc3, i64 %sc, x86_amx %e11)
+  ret i32 0
+}}
+attributes #0 = {{ "target-features"="+amx-tile,+amx-bf16" }}
+"""
+
+
+def available(target):
+    """Whether code for the llvm `target` may use AMX's bfloat16 tiles (`FEATURES`)."""
+    from tvm.target import codegen
+
+    if target.kind.name != "llvm":
+        return False
+    try:
+        return all(codegen.target_has_features(f, target) for f in FEATURES)
+    except Exception:  # noqa: BLE001 - a target LLVM cannot query
+        return False
+
+
+def fits(k, n, panel):
+    """Whether a weight [K = `k`, N = `n`] stored in panels of `panel` columns takes the
+    kernel: K in whole steps, N and the panel in whole column blocks."""
+    return panel is not None and k % STEP == 0 and n % COLS == 0 and panel % COLS == 0
+
+
+def matmul_func(k, n, panel, name="amx_bf16_matmul"):
+    """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32), M
+    symbolic, that computes out = bf16(x) @ W on AMX tiles (the module docstring); scheduled
+    already (TVM's rules leave it as it is)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    assert fits(k, n, panel), (k, n, panel)
+    steps, blocks, p = k // STEP, n // COLS, panel
+    lanes = 16
+
+    @T.prim_func
+    def func(var_x: T.handle, q: T.Buffer((n // p, k // 2, p), "uint32"), var_out: T.handle,
+             var_xb: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, k), "float32")
+        out = T.match_buffer(var_out, (m, n), "float32")
+        xb = T.match_buffer(var_xb, ((m + ROWS - 1) // ROWS * ROWS, k), "uint16")
+        T.attr(0, "pragma_import_llvm", INIT + KERNEL)
+        ready = T.decl_buffer((1,), "int32")
+        ready[0] = T.call_extern("int32", INIT_NAME)
+        assert ready[0] == 1, "AMX tiles refused by the OS (arch_prctl XTILEDATA)"
+        for io in T.parallel((m + ROWS - 1) // ROWS):
+            for ii in range(ROWS):
+                if io * ROWS + ii < m:
+                    for ko in range(k // lanes):
+                        for ki in T.vectorized(lanes):
+                            # (no let: a let's value in a vectorized loop came out as one lane's)
+                            xb[io * ROWS + ii, ko * lanes + ki] = T.Cast("uint16", (
+                                T.reinterpret("uint32", x[io * ROWS + ii, ko * lanes + ki])
+                                + T.uint32(0x7FFF) + ((T.reinterpret(
+                                    "uint32", x[io * ROWS + ii, ko * lanes + ki])
+                                    >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
+                else:
+                    for kk in T.vectorized(k):
+                        xb[io * ROWS + ii, kk] = T.uint16(0)
+        for jb in T.parallel(blocks):
+            c = T.decl_buffer((ROWS, COLS), "float32", align=64)
+            for ib in range((m + ROWS - 1) // ROWS):
+                T.evaluate(T.call_extern(
+                    "int32", KERNEL_NAME, c.data, T.int64(COLS),
+                    T.address_of(xb[ib * ROWS, 0]), T.int64(k),
+                    T.address_of(q[jb * COLS // p, 0, jb * COLS % p]), T.int64(4 * p),
+                    T.int64(steps)))
+                for r in range(ROWS):
+                    if ib * ROWS + r < m:
+                        for j in T.vectorized(COLS):
+                            out[ib * ROWS + r, jb * COLS + j] = c[r, j]
+
+    return func.with_attr({"global_symbol": name, "tirx.is_scheduled": True})
