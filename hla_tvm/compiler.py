@@ -168,19 +168,20 @@ def prepare(mod, target, quantize=None):
     their products (`scale_epilogue`), the products of one input with several weights one
     product (`parallel_products`), the weights stored as the kernels read them
     (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), then
-    `legalize`d. Returns the module, or (module, the packing's report) when `quantize` is
-    given."""
+    `legalize`d, the functions only a prefill runs marked (`prefill_rows`). Returns the
+    module, or (module, the packing's report) when `quantize` is given."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.int_clip import int_clip
     from .frontend.pack_weights import pack_weights
     from .frontend.parallel_products import parallel_products
+    from .frontend.prefill_rows import mark_prefill_kernels
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
     mod = scale_epilogue(fused_rms_norm(int_clip(safe_take(mod))))
     mod = parallel_products(mod)
     mod, report = pack_weights(mod, quantize, target)
-    mod = legalize(mod, target)
+    mod = mark_prefill_kernels(legalize(mod, target))
     return mod if quantize is None else (mod, report)
 
 

@@ -152,6 +152,40 @@ def test_parallel_fallback_elementwise_chain(n):
     np.testing.assert_allclose(got, a64 / (1 + np.exp(-a64)) + bv, rtol=1e-5, atol=1e-6)
 
 
+def test_a_prefills_element_wise_work_runs_in_parallel_and_a_decode_steps_serially():
+    """The functions only a prefill calls are marked (`frontend.prefill_rows`); ParallelFallback
+    runs a marked element-wise function of symbolic rows in parallel, an unmarked one (a decode
+    step's rows: one a stream) serially; the marked one still computes the same."""
+    import torch
+
+    from hla_tvm.compiler import prepare, to_relax
+    from hla_tvm.models import HLALM
+    from hla_tvm.schedule.common import MANY_ROWS
+
+    tgt = resolve_model_target("llvm")
+    torch.manual_seed(0)
+    mod = prepare(to_relax(HLALM(40, 32, 1, 4, chunk_size=16).eval(), target=tgt), tgt)
+    marked = {gv.name_hint for gv in mod.get_global_vars()
+              if isinstance(mod[gv], tvm.tirx.PrimFunc) and MANY_ROWS in (mod[gv].attrs or {})}
+    assert marked and all(gv.name_hint in mod["prefill"].script() for gv in
+                          mod.get_global_vars() if gv.name_hint in marked)
+    assert not any(name in mod["decode"].script() for name in marked)
+    rows = te.var("rows", "int64")
+    a = te.placeholder((rows, 64), name="a")
+    out = te.compute((rows, 64), lambda i, j: a[i, j] * te.sigmoid(a[i, j]), name="out")
+    func = te.create_prim_func([a, out]).with_attr("global_symbol", "main")
+    for attrs, parallel in (({}, False), ({MANY_ROWS: True}, True)):
+        sch = ParallelFallback().apply(func.with_attrs(attrs) if attrs else func, tgt, False)
+        assert ("T.parallel" in sch.mod.script()) == parallel
+    with tgt:
+        lib = tvm.compile(sch.mod, target=tgt)
+    x = RNG.standard_normal((37, 64)).astype(np.float32)
+    got = tvm.runtime.tensor(np.zeros((37, 64), np.float32))
+    lib["main"](tvm.runtime.tensor(x), got)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(got.numpy(), x64 / (1 + np.exp(-x64)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("lanes, elem_bytes", [(4, 4), (8, 4), (16, 4), (8, 8), (16, 2)])
 @pytest.mark.parametrize("rows, cols", [(64, 64), (32, 128), (128, 128), (16, 16)])
 def test_chunk_gemm_tile_stays_on_the_stack(lanes, elem_bytes, rows, cols):

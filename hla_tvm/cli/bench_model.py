@@ -92,6 +92,19 @@ def _module_cases(model, name, schemes, target, batch, prompt):
     return cases, sizes
 
 
+def units(schemes, target):
+    """Notes naming the units the cases multiply on where they are not the float32 vectors:
+    the compiled bf16 prefill on AMX tiles, PyTorch's bfloat16 autocast on oneDNN's."""
+    from ..quant import amx
+
+    out = []
+    if "bf16" in schemes and amx.available(target):
+        out.append("tvm bf16: prefill products on AMX tiles (bfloat16, float32 sums)")
+    if has_bf16_units():
+        out.append("torch bf16: oneDNN's bfloat16 kernels (AMX or AVX512-BF16 where present)")
+    return out
+
+
 def has_bf16_units():
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), where
     PyTorch's bfloat16 autocast is a peer to beat."""
@@ -207,7 +220,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
     out(f"{name}: {params / 1e6:.2f} M parameters, batch {batch}, prompt {prompt} tokens; "
         "compiling what the cache lacks ...")
     cases, sizes = _module_cases(model, name, schemes, tgt, batch, prompt)
-    notes = []
+    notes = units(schemes, tgt)
     with tempfile.TemporaryDirectory() as folder:
         if peers:
             cases.update(_torch_cases(model, batch, prompt, compiled=True))

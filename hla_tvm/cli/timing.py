@@ -80,4 +80,6 @@ def machine():
         pass
     isa = next((x for x in ("avx512f", "avx2", "sve", "asimd", "neon") if x in flags),
                platform.machine())
-    return {"cpu": cpu, "cores": physical_cores(), "isa": isa}
+    # the units that multiply in bfloat16 or int8, which some cases use
+    extra = [x for x in ("avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if x in flags]
+    return {"cpu": cpu, "cores": physical_cores(), "isa": " ".join([isa, *extra])}

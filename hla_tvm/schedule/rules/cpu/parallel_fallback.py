@@ -3,7 +3,8 @@ dlight's CPU GEMV/Reduction rules do not take:
   - element-wise chains are inlined into their last block first (one pass over memory);
   - element-wise blocks: innermost row vectorized; the leading loops run in parallel only when
     the static part of the work is at least PARALLEL_MIN elements (a parallel launch costs
-    microseconds, more than a decode step's 256-element row takes serially);
+    microseconds, more than a decode step's 256-element row takes serially), or in a function
+    only a prefill runs (`schedule.common.MANY_ROWS`, `frontend.prefill_rows`: its symbolic extent is the prompt);
   - reductions whose last data-parallel loop has a static extent (matmul C[.., j] += A[.., k]
     B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
     the reduction runs between them, so each thread streams rows of B into a row of C.
@@ -14,7 +15,14 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from ...common import COMM_REDUCE, DATA_PAR, inline_elementwise, root_blocks, static_extent
+from ...common import (
+    COMM_REDUCE,
+    DATA_PAR,
+    MANY_ROWS,
+    inline_elementwise,
+    root_blocks,
+    static_extent,
+)
 
 VECTOR = 16
 ROW = 64
@@ -53,9 +61,12 @@ class ParallelFallback(dl.ScheduleRule):
 
     @staticmethod
     def _elementwise(sch, spatial):
+        # a symbolic extent counts as one row, or, in a function only a prefill runs
+        # (`frontend.prefill_rows`), as the prompt's many
+        many = MANY_ROWS in (sch.mod["main"].attrs or {})
         work = 1
         for lp in spatial:
-            work *= static_extent(sch, lp) or 1
+            work *= static_extent(sch, lp) or (PARALLEL_MIN if many else 1)
         ext = static_extent(sch, spatial[-1])
         if ext and ext % VECTOR == 0 and ext > VECTOR:
             outer, inner = sch.split(spatial[-1], factors=[None, VECTOR])
