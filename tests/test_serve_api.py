@@ -64,8 +64,10 @@ def stop_server(proc):
 @pytest.fixture(scope="module")
 def server(module_path, tmp_path_factory):
     sessions = tmp_path_factory.mktemp("sessions")
+    # (--max-tokens above the streams' 100000 that hold slots for the busy and SIGTERM tests)
     proc, url = start_server(module_path, "--sessions", str(sessions), "--max-streams", "2",
-                             "--max-queue", "0", "--max-prompt", "64", "--name", "model")
+                             "--max-queue", "0", "--max-prompt", "64", "--name", "model",
+                             "--max-tokens", "1000000")
     yield url, sessions
     stop_server(proc)
 
@@ -183,7 +185,7 @@ def test_busy_429_then_disconnect_frees_slots(server):
 
 def test_api_key_and_sigterm(module_path):
     proc, url = start_server(module_path, "--api-key", "sekret", "--shutdown-timeout", "1",
-                             "--name", "model")
+                             "--name", "model", "--max-tokens", "1000000")
     try:
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}):

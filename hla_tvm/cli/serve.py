@@ -2,11 +2,15 @@
 continuous batching and sessions (`hla_tvm.serve`)."""
 from __future__ import annotations
 
+import argparse
 import os
 import signal
+import tempfile
 import threading
 
-from .args import positive
+from .args import positive, positive_float
+
+FD_RESERVE = 128   # file descriptors kept for everything but client connections
 
 DESCRIPTION = (
     "Serve a compiled module over HTTP with OpenAI's completions API: POST /v1/completions "
@@ -16,8 +20,23 @@ DESCRIPTION = (
     "(\"session\": {\"save\": NAME}) and later continue it without re-reading the text "
     "({\"resume\": NAME}) or branch it ({\"fork\": NAME}). Byte-level models and models "
     "compiled with --tokenizer take text prompts, others lists of token ids. Stop with Ctrl-C "
-    "or SIGTERM: running streams get --shutdown-timeout seconds to finish. Needs the serve "
+    "or SIGTERM: running streams get --shutdown-timeout seconds to finish. Limits against "
+    "hostile or unlucky clients: --max-connections, --request-timeout, --max-body, "
+    "--max-tokens, --max-prompt, --max-unread (docs/serving.md, Limits). Needs the serve "
     "extra: pip install 'hla_tvm[serve]'.")
+
+
+def seconds(text):
+    """argparse type: a number of seconds >= 0, or inf (not nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 or inf, got "
+                                         f"{text!r}") from None
+    if not value >= 0:   # (nan and negative numbers)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 or inf, got "
+                                         f"{text!r}")
+    return value
 
 
 def add_arguments(p):
@@ -32,24 +51,42 @@ def add_arguments(p):
                    help="requests that may wait for a slot before the server answers 429 "
                         "(default: --max-streams)")
     p.add_argument("--sessions", default=None, metavar="DIR",
-                   help="folder of saved sessions (created if missing; replicas may share it); "
-                        "without it requests cannot save or resume sessions")
+                   help="folder of saved sessions: one you own and can write (created if "
+                        "missing; replicas may share it); without it requests cannot save or "
+                        "resume sessions")
     p.add_argument("--max-sessions", type=positive, default=1000,
                    help="sessions kept; the least recently used go first")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $HLA_TVM_API_KEY; "
-                        "none: no key)")
+                   help="require 'Authorization: Bearer KEY' on every path but a bare "
+                        "/health (default: $HLA_TVM_API_KEY; none: no key); printable ASCII, "
+                        "no space at either end")
     p.add_argument("--threads", type=positive, default=None,
                    help="CPU threads for the kernels (default: chosen per kind of call)")
     p.add_argument("--max-prompt", type=positive, default=8192,
-                   help="longest prompt in tokens")
+                   help="longest prompt in tokens (400 above it)")
+    p.add_argument("--max-tokens", type=positive, default=4096,
+                   help="largest max_tokens a request may ask (400 above it; default 4096: "
+                        "HLA models have no context length)")
+    p.add_argument("--max-body", type=positive, default=None, metavar="BYTES",
+                   help="largest request body (413 above it, refused before it is read "
+                        "whole; default 16 bytes per --max-prompt token + 64 KiB)")
+    p.add_argument("--max-unread", type=positive, default=1024, metavar="TOKENS",
+                   help="tokens a streaming client may leave unread before its stream is cut")
+    p.add_argument("--max-connections", type=positive, default=None,
+                   help="open connections; one more gets 503 (GET /health still answers) "
+                        "(default 1024, fewer where the file descriptor limit is lower)")
+    p.add_argument("--request-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="a connection that sends no whole request within this time (from "
+                        "opening, or from its previous answer) gets 408 and is closed; a "
+                        "client that reads nothing of an answer for this long is cut")
     p.add_argument("--prefill-piece", type=positive, default=256,
                    help="prompt tokens prefilled between two decode steps (bounds how long a "
                         "new prompt holds up the running streams)")
     p.add_argument("--name", default=None,
                    help="the model's name in the API (default: the module's file name)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running streams get to finish on SIGTERM or Ctrl-C")
+    p.add_argument("--shutdown-timeout", type=seconds, default=10.0,
+                   help="seconds running streams get to finish on SIGTERM or Ctrl-C (inf: "
+                        "until they end)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -59,7 +96,8 @@ def main(args):
     try:
         import uvicorn
 
-        from ..serve.app import create_app
+        from ..serve.app import check_api_key, create_app
+        from ..serve.guard import guarded
     except ImportError as err:
         raise ValueError(f"hla-tvm serve needs the serve extra ({err.name} is missing): "
                          "pip install 'hla_tvm[serve]'") from None
@@ -70,18 +108,126 @@ def main(args):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("HLA_TVM_API_KEY")
+    if args.api_key is not None:
+        api_key = check_api_key(args.api_key, "--api-key")
+    else:
+        api_key = check_api_key(os.environ.get("HLA_TVM_API_KEY"), "$HLA_TVM_API_KEY")
+    if args.sessions:
+        check_sessions_folder(args.sessions)
+    max_connections = connection_cap(args.max_connections)
     model = load(args.module, threads=args.threads)
+    check_pool_memory(model, args.max_streams)
     store = SessionStore(args.sessions, model, max_count=args.max_sessions) \
         if args.sessions else None
-    app = create_app(model, model_name=args.name, max_streams=args.max_streams,
-                     max_queue=args.max_queue, sessions=store, api_key=api_key,
-                     max_prompt=args.max_prompt, prefill_piece=args.prefill_piece,
-                     shutdown_timeout=args.shutdown_timeout)
+    try:
+        app = create_app(model, model_name=args.name, max_streams=args.max_streams,
+                         max_queue=args.max_queue, sessions=store, api_key=api_key,
+                         max_prompt=args.max_prompt, prefill_piece=args.prefill_piece,
+                         shutdown_timeout=args.shutdown_timeout,
+                         max_tokens=args.max_tokens,
+                         max_body=args.max_body, max_unread=args.max_unread)
+    except MemoryError:
+        raise ValueError(f"--max-streams {args.max_streams}: the state of that many streams "
+                         "does not fit in memory") from None
+    metrics = app.state.metrics
+
+    def report(kind):
+        if kind == "stalled":
+            metrics.cut.inc()
+        else:
+            metrics.errors.labels(kind).inc()
+    base = uvicorn.Config(app).http   # ("auto": httptools where installed, else h11)
+    if isinstance(base, str):
+        from uvicorn.config import HTTP_PROTOCOLS
+        from uvicorn.importer import import_from_string
+
+        base = import_from_string(HTTP_PROTOCOLS.get(base, base))
+    protocol = guarded(base, request_timeout=args.request_timeout,
+                       max_connections=max_connections, report=report)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=protocol,
+                            timeout_keep_alive=min(5, args.request_timeout),
                             timeout_graceful_shutdown=args.shutdown_timeout + 2)
-    _server_class()(config, app.state.engine, args.shutdown_timeout).run()
+    server = _server_class()(config, app.state.engine, args.shutdown_timeout)
+    metrics.connections = lambda: len(server.server_state.connections)
+    server.run()
     return 0
+
+
+def check_sessions_folder(folder):
+    """Refuse (ValueError) a --sessions folder that is not a folder this user owns and can
+    write files in (created when missing)."""
+    path = os.path.abspath(folder)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"--sessions {folder}: not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--sessions {folder}: cannot create it ({err.strerror})") from None
+    owner = os.stat(path).st_uid
+    if owner != os.geteuid():
+        raise ValueError(f"--sessions {folder}: the folder belongs to another user (uid "
+                         f"{owner}); give a folder of your own")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hla_tvm-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"--sessions {folder}: cannot write files in it "
+                         f"({err.strerror})") from None
+
+
+def connection_cap(wanted):
+    """--max-connections: `wanted`, or 1024 when not given; the soft file descriptor limit
+    is raised (up to the hard one) to hold that many and FD_RESERVE more. A default is
+    lowered to fit; a given value that cannot fit is refused (ValueError)."""
+    try:
+        import resource
+    except ImportError:   # (not on Windows: no limit to check)
+        return wanted or 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = (wanted or 1024) + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    room = need if soft == resource.RLIM_INFINITY else soft - FD_RESERVE
+    if wanted is None:
+        if room < 16:
+            raise ValueError(f"the file descriptor limit ({soft}, ulimit -n) leaves no room "
+                             "for client connections")
+        return min(1024, room)
+    if wanted > room:
+        raise ValueError(f"--max-connections {wanted} needs {wanted + FD_RESERVE} file "
+                         f"descriptors; the limit is {soft} (ulimit -n)")
+    return wanted
+
+
+def check_pool_memory(model, streams):
+    """Refuse (ValueError) --max-streams whose state pool is larger than this machine's
+    memory."""
+    import numpy as np
+
+    per = sum(int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+              for _, shape, dtype in model.state_spec)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if per * streams > memory:
+        raise ValueError(f"--max-streams {streams} needs {_size(per * streams)} of stream "
+                         f"state ({_size(per)} a stream); this machine has {_size(memory)} "
+                         "of memory")
+
+
+def _size(n):
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
 
 
 def _server_class():

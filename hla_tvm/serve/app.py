@@ -3,8 +3,10 @@
 
     POST /v1/completions   prompt -> completion, whole or streamed (server-sent events)
     GET  /v1/models        the one model served
-    GET  /health           {"status": "ok", ...} (no key needed)
+    GET  /health           {"status": "ok"}; with the key (or without --api-key) also the model,
+                           the server (host:pid) and the stream counts
     GET  /metrics          Prometheus text (`metrics.Metrics`)
+    GET  /openapi.json     the API's OpenAPI schema (with --api-key: needs the key)
 
 A completion takes `prompt` (text for models with text: byte-level, or compiled with a
 tokenizer; a list of token ids for any model),
@@ -12,9 +14,13 @@ tokenizer; a list of token ids for any model),
 `stream_options.include_usage`), and the extension `session`: {"resume": name} continues a saved
 stream and saves it back, {"fork": name} continues a copy, {"save": name} keeps the final state.
 Responses and streamed chunks are OpenAI's `text_completion` objects (each choice also carries
-`token_ids`); errors are OpenAI's {"error": {"message", "type", "param", "code"}} with a 4xx
-status: 400 bad input, 401 a missing or wrong key (with --api-key), 404 an unknown model or
-session, 429 busy (with Retry-After)."""
+`token_ids`); every error is OpenAI's {"error": {"message", "type", "param", "code"}}, counted
+by the error metric: 400 bad input (also a prompt that is not valid Unicode, JSON nested too
+deeply, max_tokens above the server's cap), 401 a missing or wrong key (with --api-key), 404 an
+unknown model, session or path, 405 a wrong method, 409 a session another request is writing,
+413 a body over the limit (refused from its Content-Length, or as soon as its bytes pass the
+limit), 429 busy (with Retry-After), 500 a failure of the server. Limits below the app
+(connections, request time, header size, readers that stall) are `guard`'s."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +35,7 @@ import uuid
 from typing import Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (
     BaseModel,
@@ -40,6 +47,8 @@ from pydantic import (
     StrictStr,
     ValidationError,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .engine import Engine, QueueFull, Request
 from .metrics import Metrics
@@ -96,10 +105,40 @@ class APIError(Exception):
             status, message, type_, param, code
         self.headers = headers or {}
 
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
     def response(self):
-        return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status, headers=self.headers)
+        # (ASCII JSON: a lone surrogate quoted in a message cannot fail the answer)
+        return Response(json.dumps(self.body()), status_code=self.status,
+                        headers=self.headers, media_type="application/json")
+
+
+class Gone(Exception):
+    """The client went away before its request was read whole (nothing to answer)."""
+
+
+class Events(asyncio.Queue):
+    """One request's events on the event loop. When `limit` events wait while their reader is
+    held up writing (`writing`: a streaming client that reads slower than the engine writes,
+    so that the server's send waits for it), the reader is cut: `on_cut()` runs once, a
+    {"type": "cut"} event ends what the reader gets, and later events are dropped."""
+
+    def __init__(self, limit=None, on_cut=None):
+        super().__init__()
+        self.limit, self.on_cut, self.cut, self.writing = limit, on_cut, False, False
+
+    def offer(self, event):
+        if self.cut:
+            return
+        if self.limit is not None and self.writing and self.qsize() >= self.limit:
+            self.cut = True
+            self.put_nowait({"type": "cut"})
+            if self.on_cut is not None:
+                self.on_cut()
+            return
+        self.put_nowait(event)
 
 
 class Relay:
@@ -122,7 +161,7 @@ class Relay:
         with self.lock:
             batch, self.pending, self.scheduled = self.pending, [], False
         for queue, event in batch:
-            queue.put_nowait(event)
+            queue.offer(event)
 
 
 def _validation_error(err):
@@ -137,15 +176,67 @@ def _validation_error(err):
     return APIError(400, msg, param=loc)
 
 
+DEFAULT_MAX_TOKENS = 4096   # HLA models have no context length: a cap on one answer's length
+DEFAULT_MAX_UNREAD = 1024
+
+
+def default_max_body(max_prompt):
+    """The default body limit: 16 bytes for each prompt token (a token id and its comma, or a
+    token's text escaped in JSON) and 64 KiB for the other fields."""
+    return 16 * max_prompt + 65536
+
+
+def check_api_key(key, what="api_key"):
+    """`key` when a client can send it ('Authorization: Bearer KEY': printable ASCII, no space
+    at either end, not empty); ValueError naming `what` otherwise (a key no request could
+    match would answer every request 401)."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{what} is empty: no request could send it (give a key, or none)")
+    if key != key.strip():
+        raise ValueError(f"{what} starts or ends with white space, which HTTP drops from a "
+                         "header: no request could match it")
+    bad = next((c for c in key if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"{what} holds {bad!r}: an HTTP header carries printable ASCII "
+                         "only, so no request could match it")
+    return key
+
+
+def _limit(value, what, *, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
 def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessions=None,
-               api_key=None, max_prompt=8192, prefill_piece=256, shutdown_timeout=10.0):
+               api_key=None, max_prompt=8192, prefill_piece=256, shutdown_timeout=10.0,
+               max_tokens=DEFAULT_MAX_TOKENS, max_body=None, max_unread=DEFAULT_MAX_UNREAD):
     """The FastAPI application serving `model` (a CPU `runtime.CompiledModel`); its engine
-    starts and stops with the application (lifespan)."""
+    starts and stops with the application (lifespan).
+
+    Limits: `max_prompt` prompt tokens, `max_tokens` the largest max_tokens a request may ask
+    (400 above it), `max_body` request body bytes (413 above it; default
+    `default_max_body(max_prompt)`), `max_unread` events a streaming client may leave unread
+    before its stream is cut (None: no bound)."""
+    api_key = check_api_key(api_key)
+    max_tokens = _limit(max_tokens, "max_tokens")
+    max_body = _limit(default_max_body(max_prompt) if max_body is None else max_body,
+                      "max_body")
+    max_unread = _limit(max_unread, "max_unread", allow_none=True)
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) \
+            or not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be a number of seconds >= 0 (or inf), got "
+                         f"{shutdown_timeout!r}")
     name = model_name or os.path.splitext(os.path.basename(model.path))[0]
     engine = Engine(model, max_streams=max_streams, max_queue=max_queue,
                     prefill_piece=prefill_piece, sessions=sessions)
     metrics = Metrics(engine)
     created = int(time.time())
+    held, held_lock = set(), threading.Lock()   # sessions a running request writes
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -157,25 +248,62 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             await asyncio.get_running_loop().run_in_executor(None, engine.stop,
                                                              shutdown_timeout)
 
-    app = FastAPI(title="hla-tvm serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # (no /docs: its page loads scripts from elsewhere; /openapi.json is served below, behind
+    # the key)
+    app = FastAPI(title="hla-tvm serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.engine, app.state.metrics, app.state.relay = engine, metrics, None
     server = f"{socket.gethostname()}:{os.getpid()}"   # (which replica answered)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, err):
+    def answer(err):
         metrics.errors.labels(str(err.status)).inc()
         return err.response()
 
+    @app.exception_handler(APIError)
+    async def _api_error(request, err):
+        return answer(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err):
+        # (FastAPI's own answers: 404 no such path, 405 a wrong method)
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(err.status_code,
+                                                                          "invalid_request_error")
+        message = {404: f"no such path: {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            err.status_code, str(err.detail))
+        return answer(APIError(err.status_code, message, type_=kind,
+                               headers=dict(err.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(request, err):
+        return answer(_validation_error(err))
+
+    @app.exception_handler(Gone)
+    async def _gone(request, err):
+        return Response(status_code=400)   # (nobody reads it; the guard counted its 408)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, err):
+        return answer(APIError(500, f"the server failed: {type(err).__name__}",
+                               type_="server_error"))
+
+    def has_key(request):
+        if api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode("latin-1", "replace"),
+                                   f"Bearer {api_key}".encode())
+
     def authorized(request: HTTPRequest):
         """401 unless the request carries the key (with --api-key)."""
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer "
-                               "KEY')", type_="authentication_error", code="invalid_api_key")
+        if not has_key(request):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer "
+                           "KEY')", type_="authentication_error", code="invalid_api_key")
 
     @app.get("/health")
-    async def health():
+    async def health(request: HTTPRequest):
+        if not has_key(request):
+            return {"status": "ok"}   # (without the key: no names, no counts)
         active, prefilling, waiting = engine.counts()
         return {"status": "ok", "model": name, "server": server, "active_streams": active,
                 "prefilling": prefilling, "queued": waiting}
@@ -190,20 +318,65 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "hla_tvm"}]}
 
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    async def read_body(http):
+        """The request's body, refused with 413 as soon as it is known to pass `max_body`
+        bytes: from its Content-Length before any of it is read, else while it streams in
+        (chunked)."""
+        too_big = APIError(413, f"the request body is larger than this server takes "
+                           f"({max_body} bytes; --max-body)", code="request_too_large")
+        length = http.headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                raise APIError(400, f"Content-Length must be a number of bytes, got "
+                               f"{length!r}")
+            if int(length) > max_body:
+                raise too_big
+        parts, size = [], 0
+        try:
+            async for part in http.stream():
+                size += len(part)
+                if size > max_body:
+                    raise too_big
+                parts.append(part)
+        except ClientDisconnect:
+            raise Gone() from None
+        return b"".join(parts)
+
     def parse(body):
         try:
             data = json.loads(body)
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON too deeply") from None
         except (ValueError, UnicodeDecodeError) as err:
             raise APIError(400, f"the request body is not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
             req = CompletionRequest.model_validate(data)
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON too deeply") from None
         except ValidationError as err:
             raise _validation_error(err) from None
+        for field, texts in (("prompt", [req.prompt] if isinstance(req.prompt, str) else []),
+                             ("stop", [req.stop] if isinstance(req.stop, str)
+                              else list(req.stop or []))):
+            for text in texts:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise APIError(400, f"{field} is not valid Unicode: it holds a lone "
+                                   f"surrogate ({err.object[err.start]!r} at character "
+                                   f"{err.start})", param=field) from None
         if req.model is not None and req.model != name:
             raise APIError(404, f"model {req.model!r} is not served here (this server serves "
                            f"{name!r})", param="model", code="model_not_found")
+        if req.max_tokens > max_tokens:
+            raise APIError(400, f"max_tokens is {req.max_tokens}; this server gives at most "
+                           f"{max_tokens} tokens an answer", param="max_tokens")
         if isinstance(req.prompt, str):
             if model.text is None:
                 raise APIError(400, "this model takes prompts as lists of token ids (it is not "
@@ -247,6 +420,27 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             param = str(err).split(" ")[0]
             raise APIError(400, str(err), param=param) from None
 
+    def hold(req):
+        """Hold the session `req` writes (its save name: a resume saves back) until it ends;
+        409 when another running request writes the session it resumes or saves. A fork only
+        reads: it is never refused."""
+        if req.save is None:
+            return None
+        with held_lock:
+            for key, value in (("resume", req.resume), ("save", req.save)):
+                if value is not None and value in held:
+                    raise APIError(409, f"session {value!r} is in use: another request that "
+                                   "saves it runs now (retry when it ends, or fork it)",
+                                   type_="invalid_request_error", param=f"session.{key}",
+                                   code="session_busy")
+            held.add(req.save)
+        return req.save
+
+    def release(name):
+        if name is not None:
+            with held_lock:
+                held.discard(name)
+
     def run_error(err):
         if isinstance(err, UnknownSession):
             return APIError(404, str(err), param="session", code="session_not_found")
@@ -254,17 +448,33 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             return APIError(400, str(err), param="session" if "session" in str(err) else None)
         return APIError(500, f"the engine failed: {err}", type_="server_error")
 
+    cut_error = APIError(500, f"the client read too slowly: {max_unread} tokens were waiting "
+                         "unread, so the stream was cut (--max-unread)", type_="server_error",
+                         code="slow_reader")
+
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(http: HTTPRequest):
-        body, req = parse(await http.body())
+        body, req = parse(await read_body(http))
         if getattr(http.app.state, "relay", None) is None:   # (a host that runs no lifespan)
             http.app.state.relay = Relay(asyncio.get_running_loop())
             engine.start()
-        events, relay = asyncio.Queue(), http.app.state.relay
-        req.on_event = lambda ev: relay.send(events, ev)
+        relay = http.app.state.relay
+
+        def on_cut():
+            metrics.cut.inc()
+            engine.cancel(req)
+        events = Events(max_unread, on_cut)
+        holding = hold(req)
+
+        def on_event(ev):
+            if ev["type"] != "text":
+                release(holding)   # (the session is saved: the engine is done with it)
+            relay.send(events, ev)
+        req.on_event = on_event
         try:
             engine.submit(req)
         except QueueFull as err:
+            release(holding)
             raise APIError(429, f"the server is busy: {err}; retry later",
                            type_="rate_limit_error", code="busy",
                            headers={"Retry-After": "1"}) from None
@@ -303,6 +513,8 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         first = await next_event()
         if first["type"] == "error":
             raise run_error(first["error"])
+        if first["type"] == "cut":
+            raise cut_error
         if not body.stream:
             parts, ids, ev = [], [], first
             watcher = asyncio.ensure_future(watch())
@@ -316,6 +528,8 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             text = "".join(parts)
             if ev["type"] == "error":
                 raise run_error(ev["error"])
+            if ev["type"] == "cut":
+                raise cut_error
             out = chunk(text, ev["finish_reason"], ids)
             out["usage"] = ev["usage"]
             return JSONResponse(out, headers={"X-HLA-TVM-Server": server})
@@ -334,6 +548,9 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                         if events.empty():
                             break
                         ev = events.get_nowait()
+                    # (from here until the next event is awaited, the loop runs on only when
+                    # a send blocks: events that wait meanwhile wait for a slow reader)
+                    events.writing = True
                     if ids:
                         yield text_event(text, ids)
                     if ev["type"] == "done":
@@ -344,12 +561,11 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                             yield f"data: {json.dumps(last)}\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    if ev["type"] == "error":
-                        err = run_error(ev["error"])
-                        yield "data: " + json.dumps({"error": {
-                            "message": err.message, "type": err.type, "param": err.param,
-                            "code": err.code}}) + "\n\n"
+                    if ev["type"] in ("error", "cut"):
+                        err = run_error(ev["error"]) if ev["type"] == "error" else cut_error
+                        yield "data: " + json.dumps(err.body()) + "\n\n"
                         return
+                    events.writing = False
                     ev = await events.get()
             finally:
                 engine.cancel(req)   # (a no-op once it is done; frees the slot when not)

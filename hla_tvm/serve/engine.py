@@ -20,6 +20,7 @@ or chose, the last chosen one as pending (fed first when the session continues).
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
@@ -119,8 +120,11 @@ class Engine:
             self._cv.notify()
 
     def stop(self, timeout=10.0):
-        """Stop taking requests, let the running ones go on for up to `timeout` seconds, then
-        cancel what is left and end the thread."""
+        """Stop taking requests, let the running ones go on for up to `timeout` seconds (inf:
+        until they end, which max_tokens bounds), then cancel what is left and end the
+        thread."""
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         deadline = time.monotonic() + timeout
         with self._cv:
             self._stop = True
@@ -134,7 +138,9 @@ class Engine:
         with self._cv:
             self._cv.notify()
         if self._thread is not None:
-            self._thread.join(timeout=max(1.0, deadline - time.monotonic() + 1.0))
+            left = deadline - time.monotonic() + 1.0
+            # (timeout=inf: join without one; threading cannot wait an infinite time)
+            self._thread.join(timeout=max(1.0, left) if math.isfinite(left) else None)
 
     def busy(self):
         return bool(self.active or self.joining or self.waiting)

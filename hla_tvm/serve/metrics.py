@@ -1,7 +1,9 @@
 """The server's Prometheus metrics (`prometheus_client`, one registry per server): streams
 active, prefilling and waiting, slots in use, sessions stored (read when scraped), tokens and
-requests by finish reason (counters), decode step time and batch size (histograms), and tokens/s
-over the last steps."""
+requests by finish reason (counters), errors by HTTP status (every error answer, the connection
+guard's 400/408/431/503 among them), streams cut for a slow reader, open connections (where the
+server sets `connections`), decode step time and batch size (histograms), and tokens/s over the
+last steps."""
 from __future__ import annotations
 
 import collections
@@ -34,6 +36,12 @@ class Metrics:
                                 ["finish_reason"], registry=reg)
         self.errors = Counter("hla_tvm_request_errors", "requests refused or failed, by HTTP "
                               "status", ["status"], registry=reg)
+        self.cut = Counter("hla_tvm_streams_cut", "streamed answers cut because the client read "
+                           "too slowly (--max-unread events unread, or nothing read for "
+                           "--request-timeout)", registry=reg)
+        self.connections = lambda: 0   # (the HTTP server sets it: its open connections)
+        Gauge("hla_tvm_open_connections", "HTTP connections open (--max-connections)",
+              registry=reg).set_function(lambda: self.connections())
         self.step_time = Histogram("hla_tvm_step_seconds", "time of one decode step",
                                    registry=reg, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
                                                           5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25))
