@@ -260,6 +260,10 @@ def test_bench_model_compares_schemes_and_peers_in_one_table(capsys, tmp_path):
     assert {"tvm float32", "tvm int4", "torch", "torch.compile", "onnxruntime",
             "onnxruntime int4", "floor float32", "floor int4"} <= cases, (cases, out)
     assert report["notes"] == []
+    from hla_tvm.cli.bench_model import has_bf16_units
+
+    # where the CPU multiplies bfloat16, PyTorch's bfloat16 autocast is a peer too
+    assert ({"torch bf16", "torch.compile bf16"} <= cases) == has_bf16_units()
     for case in ("tvm float32", "tvm int4", "torch", "onnxruntime int4"):
         row = report["results"][case]
         assert row["decode_tokens_s"] > 0 and row["prefill_tokens_s"] > 0 and case in out

@@ -14,7 +14,10 @@ prefill: tvm (`hla`), torch (`fast.chunked`: every chunk at once, with or withou
          loop over the chunks carrying the state, each chunk `fast.chunked`, eager or
          compiled), torch_sdpa (causal softmax attention, the quadratic baseline),
          onnxruntime (one exported hla_tvm::HLA node in ONNX Runtime, its function body; where
-         onnxruntime is installed), sgemm (this machine's float32 matmul rate, GFLOP/s)
+         onnxruntime is installed), sgemm (this machine's float32 matmul rate, GFLOP/s);
+         where the CPU has bfloat16 units (AVX512-BF16, AMX) also tvm_bf16 (`hla` on bfloat16
+         inputs), torch_bf16 and torch_compile_bf16 (the fast form under bfloat16 autocast)
+         and the bfloat16 matmul rate
 
 The table names the fastest PyTorch form (every torch* case but softmax attention) and tvm's
 speed against it. The mixed rows time tvm, the strongest compiled PyTorch form and (decode) the
@@ -166,6 +169,17 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
 
     cases["torch_chunk_loop"] = chunk_loop(one_chunk)
     cases["torch_compile_chunk_loop"] = chunk_loop(compiled_chunk)
+    from .bench_model import has_bf16_units
+
+    if has_bf16_units():   # bfloat16: our kernels on bfloat16 inputs, PyTorch's autocast
+        qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+        cases["tvm_bf16"] = lambda: hla(qb, kb, vb, decay=decay, chunk_size=chunk_size,
+                                        schedules="default", **kw)
+        for name, fn in (("torch_bf16", fast), ("torch_compile_bf16", compiled)):
+            def cast(f=fn):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return f(q, k, v)
+            cases[name] = cast
     cases["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
     ort = _onnxruntime_case(q, k, v, op, decay)
@@ -186,15 +200,16 @@ def with_mixed(cases, names):
 
 
 def summary(results):
-    """{"fastest_torch": name, "tvm_vs_fastest": its time over tvm's, "mixed": {name:
-    seconds of a call in the mixed process, "<name>_quiet_ratio": mixed over quiet}}."""
+    """{"fastest_torch": name, "fastest_tvm": name (tvm, tvm_tuned or tvm_bf16),
+    "tvm_vs_fastest": the one's time over the other's, "mixed": {name: seconds of a call in
+    the mixed process, "<name>_quiet_ratio": mixed over quiet}}."""
     forms = {n: r["median_s"] for n, r in results.items() if n.startswith("torch")
              and not n.endswith("_mixed") and n not in PEERS_EXCLUDED}
+    ours = {n: results[n]["median_s"] for n in ("tvm", "tvm_tuned", "tvm_bf16") if n in results}
     out = {}
     if forms:
-        best = min(forms, key=forms.get)
-        out.update(fastest_torch=best,
-                   tvm_vs_fastest=forms[best] / results["tvm"]["median_s"])
+        best, mine = min(forms, key=forms.get), min(ours, key=ours.get)
+        out.update(fastest_torch=best, fastest_tvm=mine, tvm_vs_fastest=forms[best] / ours[mine])
     mixed = {}
     for n, r in results.items():
         if n.endswith("_mixed"):
@@ -244,9 +259,10 @@ def peak_rss_growth(fn):
         return None
 
 
-def sgemm_rate(size=2048, runs=3):
-    """This machine's float32 matmul rate (GFLOP/s) through torch, best of `runs`."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def sgemm_rate(size=2048, runs=3, dtype=torch.float32):
+    """This machine's matmul rate (GFLOP/s) through torch in `dtype` (float32: sgemm;
+    bfloat16: oneDNN's, on AMX where present), best of `runs`."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     _, best = _measure(lambda: a @ b, runs)
     return 2 * size ** 3 / best / 1e9
 
@@ -290,6 +306,8 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     extra = {}
     if mode == "prefill":
         extra["sgemm_gflops"] = sgemm_rate()
+        if "tvm_bf16" in cases:
+            extra["bf16_gemm_gflops"] = sgemm_rate(dtype=torch.bfloat16)
         if op == "hla2" and decay is None and kv_heads == heads:
             flops = hla2_prefill_flops(batch, heads, seq, dk, dv, chunk_size)
             extra["tvm_gflops"] = flops / results["tvm"]["median_s"] / 1e9
@@ -333,7 +351,7 @@ def _table(report, out):
             ((f"{mem / 2 ** 20:>9.1f} MB" if mem is not None else f"{'n/a':>12}") if peak else ""))
     if "fastest_torch" in report:
         ratio = report["tvm_vs_fastest"]
-        out(f"fastest PyTorch form: {report['fastest_torch']}; tvm is "
+        out(f"fastest PyTorch form: {report['fastest_torch']}; {report['fastest_tvm']} is "
             + (f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"))
     mixed = report.get("mixed") or {}
     if mixed:
@@ -346,6 +364,8 @@ def _table(report, out):
         if "tvm_gflops" in report:
             line += (f"; tvm kernels {report['tvm_gflops']:.0f} GFLOP/s "
                      f"({report['tvm_gflops'] / report['sgemm_gflops']:.0%} of sgemm)")
+        if "bf16_gemm_gflops" in report:
+            line += f"; bfloat16 matmul {report['bf16_gemm_gflops']:.0f} GFLOP/s"
         out(line)
     others = report.get("other_load_cores")
     if others is not None and others >= OtherLoad.BUSY:

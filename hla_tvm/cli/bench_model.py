@@ -220,7 +220,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
     out(f"{name}: {params / 1e6:.2f} M parameters, batch {batch}, prompt {prompt} tokens; "
         "compiling what the cache lacks ...")
     cases, sizes = _module_cases(model, name, schemes, tgt, batch, prompt)
-    notes = units(schemes, tgt)
+    notes = []
     with tempfile.TemporaryDirectory() as folder:
         if peers:
             cases.update(_torch_cases(model, batch, prompt, compiled=True))
@@ -246,7 +246,8 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
     report = {"model": name, "parameters": params, "batch": batch, "prompt": prompt,
               "machine": machine(), "target": str(tgt), "rounds": rounds,
               "sizes": {k: {"module_bytes": a, "weight_bytes": b} for k, (a, b) in sizes.items()},
-              "results": rows, "notes": notes, "date": time.strftime("%Y-%m-%d")}
+              "results": rows, "notes": notes, "units": units(schemes, tgt) if peers else [],
+              "date": time.strftime("%Y-%m-%d")}
     _table(report, out)
     if json_path:
         from ..runtime.paths import replacing
@@ -270,7 +271,7 @@ def _table(report, out):
     for k, s in report["sizes"].items():
         out(f"{k}: module {s['module_bytes'] / 1e6:.2f} MB, weights {s['weight_bytes'] / 1e6:.2f}"
             " MB")
-    for note in report["notes"]:
+    for note in report["units"] + report["notes"]:
         out("note: " + note)
     m = report["machine"]
     out(f"({m['cpu']}, {m['cores']} cores, {m['isa']}; {report['date']}; fastest of "

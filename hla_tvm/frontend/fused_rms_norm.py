@@ -8,6 +8,8 @@ the shipped demo model's decode ran 13 of its 70 kernels a token for its 13 norm
 axis, the same formula, computed in float32 (so only float32 norms are rewritten)."""
 from __future__ import annotations
 
+import functools
+
 
 def _scalar(expr, value=None):
     """The float of a scalar Relax constant `expr` (equal to `value` when given), else None."""
@@ -48,7 +50,16 @@ def fused_rms_norm(mod):
                 list(weight.value.shape) != [int(shape[-1])] or \
                 data.ty.dtype != "float32" or weight.ty.dtype != "float32":
             return expr
-        return relax.op.nn.rms_norm(data, weight, axes=[-1], epsilon=epsilon)
+        lead = [d for d in list(shape)[:-1]
+                if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        if len(lead) < 2:
+            return relax.op.nn.rms_norm(data, weight, axes=[-1], epsilon=epsilon)
+        # rows over several axes (a prefill's [B, T, D]): one axis of rows, which the norm's
+        # schedule (dlight's CPU Reduction) runs in parallel, where it takes the first alone
+        rows = functools.reduce(lambda a, b: a * b, list(shape)[:-1])
+        flat = relax.op.reshape(data, [rows, shape[-1]])
+        return relax.op.reshape(relax.op.nn.rms_norm(flat, weight, axes=[-1], epsilon=epsilon),
+                                list(shape))
 
     out = mod.clone()   # (the caller's module stays as it was)
     for gv, func in mod.functions_items():
