@@ -4,12 +4,16 @@ and `train` in theirs. Only the command given is imported (`hla-tvm run` imports
 nor TVM's compiler).
 
 Expected errors (a missing or bad file, a bad target or argument) end the command with one line
-on stderr, `hla-tvm COMMAND: error: ...`, and exit code 2; `--debug` shows the traceback."""
+on stderr, `hla-tvm COMMAND: error: ...`, and exit code 2; `--debug` shows the traceback.
+SIGTERM stops a command (`serve` aside, which drains its streams) with an exception in the main
+thread, so that the files it was writing are removed on the way out (`paths.stop_on_sigterm`);
+it ends with one line and exit code 143 (128 + SIGTERM)."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from .args import Defaults
@@ -108,13 +112,22 @@ def main(argv=None):
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from ..runtime import paths
+
+    stopped = []   # (the signal, once SIGTERM came)
     try:
-        return args.func(args)
-    except BrokenPipeError:   # the reader went away (`hla-tvm cache | head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except EXPECTED_ERRORS as err:
-        if getattr(args, "debug", False):
+        with paths.stop_on_sigterm(stopped, args.command != "serve"):
+            return args.func(args)
+    except BaseException as err:
+        debug = getattr(args, "debug", False)
+        if stopped and not debug:
+            print(f"hla-tvm {args.command}: stopped by SIGTERM (its unfinished files removed)",
+                  file=sys.stderr)
+            return 128 + signal.SIGTERM
+        if isinstance(err, BrokenPipeError):   # the reader went away (`hla-tvm cache | head`)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        if not isinstance(err, EXPECTED_ERRORS) or debug:
             raise
         lines = [line for line in str(err).splitlines() if line.strip()] or \
             [type(err).__name__]

@@ -12,9 +12,12 @@ unsupported-op check skips them, and `_convert_operator` routes them to `_conver
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -320,16 +323,85 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
 
 def lm_module(path):
     """(Relax IRModule with the prefill and decode entries, module metadata) of the ONNX
-    language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it)."""
+    language model at `path` (what `compile` builds; `hla-tvm tune model.onnx` tunes it).
+    A graph TVM's importer cannot read is a ValueError naming the file (and the operator it
+    stopped at), as every other refusal (`_refusal`)."""
+    model = load_model(path)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):   # (TVM's importer prints the failing operator)
+            return _lm_module(path, model)
+    except MemoryError:
+        raise
+    except RecursionError:
+        refusal = ValueError(f"{path}: the ONNX graph nests too deeply to import")
+    except Exception as err:  # noqa: BLE001 - TVM's, numpy's and the frontend's own errors
+        refusal = _refusal(path, err, said.getvalue())
+        # the importer's frames go now: TVM warns on stderr when a builder with open blocks
+        # is destroyed, which would follow the one-line refusal
+        with _stderr_silenced():
+            err.__traceback__ = None
+            import gc
+
+            gc.collect()
+    raise refusal   # (outside the except block: TVM's error is not its context)
+
+
+def _refusal(path, err, said):
+    """The error to raise for `err`, raised while importing the ONNX model at `path` (`said`:
+    what TVM's importer printed meanwhile): one line that names the file, and the operator
+    the importer stopped at; an unsupported operator stays a NotImplementedError."""
+    path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the ONNX model"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(err).__name__
+    if reason.startswith(path + ":"):
+        reason = reason[len(path) + 1:].strip()
+    if isinstance(err, KeyError):
+        reason = f"it uses a value no node, input or initializer defines ({reason})"
+    elif not isinstance(err, (ValueError, NotImplementedError)):
+        reason = f"{type(err).__name__}: {reason}"
+    cls = NotImplementedError if isinstance(err, NotImplementedError) else ValueError
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None and isinstance(err, ValueError) and \
+            tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):   # (our own check's words)
+        return cls(f"{path}: {reason}")
+    found = re.search(r"Error converting operator (\S+?),", said)
+    where = f" (at a {found.group(1)} node)" if found and found.group(1) != _PRIVATE_OP else ""
+    return cls(f"{path}: TVM's ONNX importer refused it{where}: {reason}")
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """The process's stderr (file descriptor 2: C++ logging too) to /dev/null in the block."""
+    import sys
+
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _lm_module(path, model):
     from ..compiler import MODULE_FORMAT, entries, merge_entries
     from .quantized import dequantized
 
-    model = load_model(path)
     digest = content_digest(model)
-    try:
-        model, sch = dequantized(model)   # packed again by the compile, under the same scheme
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    model, sch = dequantized(model)   # packed again by the compile, under the same scheme
     if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
         model = with_state_inputs(model)
     sig = lm_signature(model)

@@ -24,10 +24,11 @@ from .paths import TMP_PREFIX
 
 RECORDS = "schedules"
 _TMP = re.escape(TMP_PREFIX) + r".+"
-# the cache's own names: {folder ("" for the top): (pattern of files, pattern of folders)}
+# the cache's own names: {folder ("" for the top): (pattern of files, pattern of folders)};
+# temporaries of writes (`paths`): a library's files and the folder of its object files
 _OWN = {
-    "": (rf"[A-Za-z0-9_]+-[0-9a-f]{{24}}\.so|\..+\.[0-9a-f]{{16}}\.[0-9]+\.so|{_TMP}", None),
-    "models": (rf"demo-[0-9a-f]{{20}}\.so|\..+\.[0-9a-f]{{16}}\.[0-9]+\.so|{_TMP}", None),
+    "": (rf"[A-Za-z0-9_]+-[0-9a-f]{{24}}\.so|\..+\.[0-9a-f]{{16}}\.[0-9]+\.so|{_TMP}", _TMP),
+    "models": (rf"demo-[0-9a-f]{{20}}\.so|\..+\.[0-9a-f]{{16}}\.[0-9]+\.so|{_TMP}", _TMP),
     "device": (rf"[0-9a-f]{{64}}-[A-Za-z0-9_-]+\.fatbin(\.sha256)?|{_TMP}", None),
     "emulator": (rf"[0-9a-f]{{24}}\.so|{_TMP}", None),
     "runtime": (None, r"[A-Za-z0-9_]+-tvm.+-ffi.+|tmp[A-Za-z0-9_]+"),

@@ -95,6 +95,17 @@ def pick_rows(logits, temperatures, top_ks, top_ps, rngs):
     return out
 
 
+def _prompt_array(model, prompt):
+    """The prompt's token ids as an int64 array [1, T]; ValueError (as the model's own check
+    words it) for an id beyond int64."""
+    try:
+        return np.array([prompt], dtype=np.int64)
+    except OverflowError:
+        bad = next((t for t in prompt if isinstance(t, int) and not -2**63 <= t < 2**63), None)
+        vocab = getattr(model, "vocab_size", None)
+        raise ValueError(f"tokens must lie in [0, {vocab or '2^63'}), got {bad}") from None
+
+
 def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token=None,
              keep_logits=False):
     """`steps` token ids following `prompt` (a list of ids) for one sequence. on_token(id) is
@@ -106,7 +117,7 @@ def generate(model, prompt, steps, *, temperature=0.0, top_k=0, seed=0, on_token
     rng = np.random.default_rng(seed)
     state = model.init_state(1)
     t0 = time.perf_counter()
-    logits, state = model.prefill(np.array([prompt], dtype=np.int64), state, logits="last")
+    logits, state = model.prefill(_prompt_array(model, prompt), state, logits="last")
     last = np.asarray(logits)[0]
     info = {"prefill_s": time.perf_counter() - t0, "decode_s": 0.0, "decode_steps": 0,
             "logits": [last] if keep_logits else None}

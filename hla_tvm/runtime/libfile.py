@@ -15,8 +15,10 @@ its end and kill the process with SIGBUS on first use, and flipped bytes would l
 wrong answers. It needs only the standard library (the runtime-only path uses it)."""
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
+import math
 import os
 import shutil
 import struct
@@ -103,22 +105,85 @@ def export(exe, path, tag: bytes = NO_TAG, cc=None, note: bytes | None = None):
     (and holding `note`, when given): into a temporary file beside it, then renamed over `path`
     (never rewritten in place, which would kill processes that have the old file mapped).
     cc: the C compiler command that links it (None: the host's; a cross compiler for another
-    architecture)."""
-    from .paths import replacing_path
+    architecture). The object files go to a temporary folder beside `path` (one filesystem to
+    hold everything; removed after, and swept when a process was killed meanwhile), after a
+    check that it has room for them: LLVM ends the process (exit 1, no exception) when it
+    cannot write an object file. A full disk is an OSError (ENOSPC) naming `path`."""
+    from .paths import finishing, replacing_path, temporary_folder
 
     path = os.fspath(path)
-    with replacing_path(path, suffix=".so", executable=True) as tmp:
-        if cc is None:
-            exe.export_library(tmp)
-        else:
-            from tvm.support import cc as tvm_cc
-
-            exe.export_library(tmp, fcompile=tvm_cc.cross_compiler(cc))
-        if note is not None:
-            with open(tmp, "ab") as f:
-                f.write(bytes(note) + struct.pack("<Q", len(note)) + NOTE)
-        seal(tmp, tag)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        with replacing_path(path, suffix=".so", executable=True) as tmp, \
+                temporary_folder(path) as work:
+            _room(exe, folder, path)
+            try:
+                with finishing():   # (SIGTERM waits for the linker: see `paths.finishing`)
+                    _export_library(exe, tmp, cc, work)
+            except RuntimeError as err:   # (the linker's output, in TVM's error)
+                full = next((e for e, text in _FULL.items() if text in str(err)), None)
+                if full is None:
+                    raise
+                raise OSError(full, os.strerror(full)) from None
+            if note is not None:
+                with open(tmp, "ab") as f:
+                    f.write(bytes(note) + struct.pack("<Q", len(note)) + NOTE)
+            seal(tmp, tag)
+    except OSError as err:
+        if err.errno not in _FULL or err.filename == path:   # (not full; or said already)
+            raise
+        free = _free(folder)
+        raise OSError(err.errno, f"{os.strerror(err.errno)} writing the compiled module"
+                      + ("" if free is None else f" ({free / 1e6:.1f} MB free in {folder})"),
+                      path) from None
     return path
+
+
+def _export_library(exe, tmp, cc, work):
+    if cc is None:
+        exe.export_library(tmp, workspace_dir=work)
+    else:
+        from tvm.support import cc as tvm_cc
+
+        exe.export_library(tmp, fcompile=tvm_cc.cross_compiler(cc), workspace_dir=work)
+
+
+# errno -> the text a linker prints for it
+_FULL = {errno.ENOSPC: os.strerror(errno.ENOSPC), errno.EDQUOT: os.strerror(errno.EDQUOT)}
+
+
+def _free(folder):
+    """Bytes this user may still write in `folder`'s filesystem (None where unknown)."""
+    try:
+        st = os.statvfs(folder)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+
+
+def _room(exe, folder, path):
+    """OSError (ENOSPC) naming `path` unless `folder` has room for the object files of `exe`
+    (what LLVM writes; a linker that finds no room fails with an error): a third of its LLVM
+    IR's text (measured 3.4 to 3.7 times the object file) and its packed imports (the module's
+    constants and device code)."""
+    import tvm
+
+    mod = getattr(exe, "mod", exe)
+    need = 1 << 18
+    try:
+        for lib in mod._collect_dso_modules():
+            if lib.kind == "llvm":
+                need += len(lib.inspect_source("ll")) // 3
+        pack = tvm.get_global_func("runtime.ModulePackImportsToTensor", allow_missing=True)
+        if pack is not None and mod.imports:
+            need += math.prod(pack(mod).shape)
+    except Exception:  # noqa: BLE001 - an estimate: none where TVM cannot say
+        return
+    free = _free(folder)
+    if free is not None and free < need:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} for the compiled module: "
+                      f"{free / 1e6:.1f} MB free in {folder}, about {need / 1e6:.1f} MB needed",
+                      path)
 
 
 def check(path, tag: bytes | None = None, what="compiled module"):

@@ -205,6 +205,9 @@ class CompiledModel:
         except Exception as err:
             raise ValueError(f"{path}: not an hla_tvm compiled model ({err})") from None
         self.meta = _checked_meta(path, raw)
+        if self.meta != meta:   # (the note was checked before loading: it must be the same)
+            raise ValueError(f"{path}: its metadata note does not match the metadata compiled "
+                             "into the library (the note was edited); compile it again")
         _check_device(path, self.meta, kind)
         self.state_spec = [(n, tuple(s), d) for n, s, d in self.meta["state"]]
         self.vocab_size = self.meta.get("vocab_size")

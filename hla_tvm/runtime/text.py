@@ -63,7 +63,13 @@ class TokenizerText:
 def codec(meta):
     """The text codec of a module with metadata `meta`, or None (token ids only)."""
     if meta.get(TOKENIZER):
-        return TokenizerText(meta[TOKENIZER])
+        text = TokenizerText(meta[TOKENIZER])
+        try:   # (a module compiled before the ids were checked)
+            check_ids(text.tokenizer, meta.get("vocab_size"))
+        except ValueError as err:
+            raise ValueError(f"the tokenizer kept in this module {err}; compile it again with "
+                             "a tokenizer that fits") from None
+        return text
     if (meta.get("config") or {}).get("vocab") == "bytes":
         return ByteText()
     return None
@@ -88,8 +94,24 @@ def read_tokenizer(path, vocab_size):
     except Exception as err:  # noqa: BLE001 - the library's own error types
         raise ValueError(f"tokenizer {path} is not a tokenizer.json the `tokenizers` library "
                          f"reads ({err})") from None
-    size = tok.get_vocab_size(with_added_tokens=True)
-    if vocab_size is not None and size > vocab_size:
-        raise ValueError(f"tokenizer {path} has {size} tokens; the model's vocabulary has "
-                         f"{vocab_size}")
+    try:
+        check_ids(tok, vocab_size)
+    except ValueError as err:
+        raise ValueError(f"tokenizer {path} {err}") from None
     return text
+
+
+def check_ids(tok, vocab_size):
+    """ValueError ("has ...") unless every id the `tokenizers` tokenizer `tok` gives (its
+    vocabulary's and its added tokens') lies in a model vocabulary of `vocab_size` (None: no
+    check): the count of its entries says nothing of the largest id."""
+    if vocab_size is None:
+        return
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ValueError(f"has {size} tokens; the model's vocabulary has {vocab_size}")
+    ids = tok.get_vocab(with_added_tokens=True)
+    largest = max(ids.items(), key=lambda item: item[1], default=None)
+    if largest is not None and not 0 <= largest[1] < vocab_size:
+        raise ValueError(f"gives token {largest[0]!r} the id {largest[1]}, beyond the model's "
+                         f"vocabulary of {vocab_size} ids (0 to {vocab_size - 1})")

@@ -3,12 +3,17 @@ the state's entries, the digest of the model they belong to, and the token the s
 but has not fed yet), checked when read (`load_state`: names, shapes, finite values, the model;
 each entry's header before its data, the batch 1),
 with a count and a size limit and least-recently-used eviction. Several servers (replicas) may
-share one folder: each file is written whole through a temporary name and renamed."""
+share one folder: each file is written whole through a temporary name and renamed. The
+temporaries of saves that were interrupted (a server killed mid-save) are swept when the store
+opens and at each save (`paths.sweep`: this user's, unlocked, untouched for a few minutes),
+and those of saves in progress count towards the size limit."""
 from __future__ import annotations
 
 import os
 import re
 import threading
+
+from ..runtime import paths
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SUFFIX = ".state.npz"
@@ -45,6 +50,7 @@ class SessionStore:
             raise ValueError(f"sessions folder {self.folder} is not a folder")
         self.model, self.max_count, self.max_bytes = model, max_count, max_bytes
         self._lock = threading.Lock()
+        paths.sweep(self.folder)   # (what saves killed midway left)
 
     def path(self, name):
         return os.path.join(self.folder, check_name(name) + SUFFIX)
@@ -92,8 +98,11 @@ class SessionStore:
         return sorted(out, key=lambda f: -f[1])
 
     def _evict(self, keep):
+        paths.sweep(self.folder)
         files = self._files()
-        total = sum(f[2] for f in files)
+        # (the temporaries of saves in progress, here or in another replica, take room too)
+        total = sum(f[2] for f in files) + sum(size for _, size, _, _ in
+                                               paths.temporaries(self.folder))
         for i in range(len(files) - 1, -1, -1):
             over = (self.max_count is not None and i >= self.max_count) or \
                 (self.max_bytes is not None and total > self.max_bytes)
