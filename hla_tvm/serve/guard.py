@@ -7,7 +7,7 @@ stays open, and httptools reads a request head of any size. Here:
   `request_timeout` seconds of opening or of its previous answer; else it gets 408 (when part
   of a request came) and is closed;
 - head size: a request head (request line and headers) over `max_head` bytes gets 431 and the
-  connection is closed;
+  connection is closed (its bytes are counted as they arrive, before the parser reads them);
 - open connections: a connection opened while `max_connections` are open gets 503 (with
   Retry-After) to its request, except `GET /health`, and is closed after it; it has
   `BUSY_GRACE` seconds to send that request;
@@ -193,16 +193,36 @@ def guarded(base, *, request_timeout=30.0, max_connections=None, max_head=MAX_HE
                 if self._since > LINGER_BYTES:
                     self._real.close()
                 return
+            if parser_hooks and self._head_over(data):
+                self._too_large()
+                return
             super().data_received(data)
             if self._in_head and not self.transport.is_closing():
                 self._head += len(data)
                 if self._head > max_head:
-                    report("431")
-                    if self.cycle is None or self.cycle.response_complete:
-                        self.transport.write(raw_error(
-                            431, f"the request head is larger than {max_head} bytes",
-                            code="request_header_too_large"))
-                    self.transport.close()
+                    self._too_large()
+
+        def _head_over(self, data):
+            """Whether the head being read, or one that starts in `data`, passes max_head
+            with `data`'s bytes up to the head's end: counted before the parser reads them
+            (counted after, a head that came whole in one read was already complete)."""
+            cycle = self.cycle
+            if not self._in_head and cycle is not None and cycle.more_body:
+                return False   # (a request's body comes first)
+            end = data.find(b"\r\n\r\n")
+            if (self._head if self._in_head else 0) + (end + 4 if end >= 0 else len(data)) \
+                    <= max_head:
+                return False
+            self._in_head = end < 0   # (more of it to come: the close lingers)
+            return True
+
+        def _too_large(self):
+            report("431")
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.write(raw_error(
+                    431, f"the request head is larger than {max_head} bytes",
+                    code="request_header_too_large"))
+            self.transport.close()
 
         def send_400_response(self, msg):
             report("400")
