@@ -8,13 +8,14 @@ the prompt, 512 x 3,072 elements a layer for a 512-token prompt of the 120 M mod
 from __future__ import annotations
 
 from ..schedule.common import MANY_ROWS
+from ..schedule.tuning.records import SHAPES_ATTR
 
 PREFILL_ENTRIES = ("prefill",)
 
 
 def mark_prefill_kernels(mod, prefill=PREFILL_ENTRIES):
-    """`mod` (legalized) with MANY_ROWS set on every PrimFunc that the Relax functions named in
-    `prefill` call and no other Relax function does."""
+    """`mod` (legalized) with MANY_ROWS set on every PrimFunc but the HLA kernels that the
+    Relax functions named in `prefill` call and no other Relax function does."""
     import tvm
     from tvm import relax
 
@@ -34,6 +35,9 @@ def mark_prefill_kernels(mod, prefill=PREFILL_ENTRIES):
     out = mod.clone()
     for name, entries in callers.items():
         func = mod[name]
-        if entries <= set(prefill) and isinstance(func, tvm.tirx.PrimFunc):
+        # (not the HLA kernels: their own rules schedule them, and an attribute would change
+        # the workloads by which tuned records find them)
+        if entries <= set(prefill) and isinstance(func, tvm.tirx.PrimFunc) and \
+                SHAPES_ATTR not in (func.attrs or {}):
             out.update_func(out.get_global_var(name), func.with_attr(MANY_ROWS, True))
     return out
