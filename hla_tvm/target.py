@@ -45,20 +45,14 @@ def host_mattr(mcpu):
     prefers 256-bit vectors; [] where the two agree or the features cannot be read."""
     import tvm
 
-    from .runtime.cpu_features import X86, host_features
+    from .runtime.cpu_features import host_features
 
     have = host_features()
     if have is None:
         return []
     model = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
-    out = []
-    for feature in X86.values():
-        try:
-            in_model = bool(tvm.target.codegen.target_has_features(feature, model))
-        except Exception:  # noqa: BLE001 - a feature this LLVM does not know
-            continue
-        if in_model != (feature in have):
-            out.append(("+" if feature in have else "-") + feature)
+    out = [("+" if feature in have else "-") + feature
+           for feature, in_model in _x86_features(model).items() if in_model != (feature in have)]
     # LLVM's Intel models tune for 256-bit vectors, splitting the kernels' 512-bit ones where
     # they convert: an int8 decode product (768 x 2304, one row) took 144 us so and 60 us
     # without it (the Xeon VM seen as rocketlake, 2026-12-07); float32 and int4 ran alike
@@ -71,17 +65,22 @@ def cpu_features(target):
     """The x86 features (LLVM names, `runtime.cpu_features.X86`) that code compiled for the
     resolved llvm `target` may use: what its module's metadata records and its loader checks;
     [] for other architectures and kinds."""
+    if target.kind.name != "llvm" or target_arch(target) != "x86_64":
+        return []
+    return [feature for feature, has in _x86_features(target).items() if has]
+
+
+def _x86_features(target):
+    """{feature: whether LLVM gives `target` it} for the x86 features of
+    `runtime.cpu_features.X86` this LLVM knows."""
     import tvm
 
     from .runtime.cpu_features import X86
 
-    if target.kind.name != "llvm" or target_arch(target) != "x86_64":
-        return []
-    out = []
+    out = {}
     for feature in X86.values():
         try:
-            if tvm.target.codegen.target_has_features(feature, target):
-                out.append(feature)
+            out[feature] = bool(tvm.target.codegen.target_has_features(feature, target))
         except Exception:  # noqa: BLE001 - a feature this LLVM does not know
             continue
     return out

@@ -52,6 +52,20 @@ def start_server(path, *args):
     raise RuntimeError("the server did not answer /health in 60 s")
 
 
+def sigterm_during_stream(proc, url, max_tokens, headers=None):
+    """The finish_reason of a stream of `max_tokens` from the server `proc` at `url` that is
+    sent SIGTERM after its first event."""
+    import httpx
+
+    with httpx.stream("POST", url + "/v1/completions", timeout=30, headers=headers,
+                      json={"prompt": "a", "max_tokens": max_tokens, "stream": True}) as s:
+        lines = s.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        tail = [line for line in lines if line]
+    return json.loads(tail[-2][6:])["choices"][0]["finish_reason"]
+
+
 def stop_server(proc):
     proc.send_signal(signal.SIGTERM)
     try:
@@ -197,14 +211,8 @@ def test_api_key_and_sigterm(module_path):
                                                                max_tokens=3)
         assert got.usage.completion_tokens == 3
         # a stream that runs when SIGTERM comes ends within --shutdown-timeout; exit code 0
-        with httpx.stream("POST", url + "/v1/completions", timeout=30,
-                          headers={"Authorization": "Bearer sekret"},
-                          json={"prompt": "a", "max_tokens": 100000, "stream": True}) as s:
-            lines = s.iter_lines()
-            next(lines)
-            proc.send_signal(signal.SIGTERM)
-            tail = [line for line in lines if line]
-        assert json.loads(tail[-2][6:])["choices"][0]["finish_reason"] == "cancelled"
+        assert sigterm_during_stream(proc, url, 100000,
+                                     {"Authorization": "Bearer sekret"}) == "cancelled"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

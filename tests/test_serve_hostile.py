@@ -5,7 +5,6 @@ of one session at once, SIGTERM with --shutdown-timeout inf, start-up options th
 and the schema behind the key. Socket-level behaviour runs against real servers on 127.0.0.1
 (short limits set on the command line); the rest goes through FastAPI's TestClient."""
 import json
-import signal
 import socket
 import threading
 import time
@@ -15,7 +14,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from test_serve_api import module_path, start_server, stop_server  # noqa: E402,F401 (fixture)
+from test_serve_api import (  # noqa: E402,F401 (fixture)
+    module_path,
+    sigterm_during_stream,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.xdist_group("serve")
 FAST = {"test_cli_refuses_what_cannot_work", "test_help_names_the_limits",
@@ -498,13 +502,7 @@ def test_sigterm_with_infinite_shutdown_timeout_ends(module_path):  # noqa: F811
         r = httpx.post(url + "/v1/completions", timeout=10,
                        json={"prompt": "a", "max_tokens": 10 ** 9})
         assert r.status_code == 400
-        with httpx.stream("POST", url + "/v1/completions", timeout=30,
-                          json={"prompt": "a", "max_tokens": 2000, "stream": True}) as s:
-            lines = s.iter_lines()
-            next(lines)
-            proc.send_signal(signal.SIGTERM)
-            tail = [line for line in lines if line]
-        assert json.loads(tail[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert sigterm_during_stream(proc, url, 2000) == "length"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

@@ -138,8 +138,9 @@ def matmul_func(k, n, panel, name="amx_bf16_matmul"):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32), M
     symbolic, that computes out = bf16(x) @ W on AMX tiles (the module docstring); scheduled
     already (TVM's rules leave it as it is)."""
-    import tvm
     from tvm.script import tirx as T
+
+    from ..ops.common.pairs import bits
 
     assert fits(k, n, panel), (k, n, panel)
     blocks, p = n // COLS, panel
@@ -162,12 +163,10 @@ def matmul_func(k, n, panel, name="amx_bf16_matmul"):
                 if io * ROWS + ii < m:
                     for ko in range(k // lanes):
                         for ki in T.vectorized(lanes):
-                            # (no let: a let's value in a vectorized loop came out as one lane's)
-                            xb[io * ROWS + ii, ko * lanes + ki] = T.Cast("uint16", (
-                                T.reinterpret("uint32", x[io * ROWS + ii, ko * lanes + ki])
-                                + T.uint32(0x7FFF) + ((T.reinterpret(
-                                    "uint32", x[io * ROWS + ii, ko * lanes + ki])
-                                    >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
+                            # (an expression, no let: a let's value in a vectorized loop
+                            # came out as one lane's)
+                            xb[io * ROWS + ii, ko * lanes + ki] = T.Cast(
+                                "uint16", bits(x[io * ROWS + ii, ko * lanes + ki]))
                 else:
                     for kk in T.vectorized(k):
                         xb[io * ROWS + ii, kk] = T.uint16(0)

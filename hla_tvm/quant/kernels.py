@@ -120,13 +120,12 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
 
 def round_bf16(value):
     """The float32 TIR expression `value` rounded to bfloat16 (nearest even), as float32
-    (`scheme.activations`)."""
+    (`scheme.activations`): the bits `ops.common.pairs.bits` gives, in the upper half."""
     from tvm import tirx
 
-    bits = tirx.reinterpret("uint32", value)
-    half = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
-    return tirx.reinterpret("float32", (bits + tirx.const(0x7FFF, "uint32") + half)
-                            & tirx.const(0xFFFF0000, "uint32"))
+    from ..ops.common.pairs import bits
+
+    return tirx.reinterpret("float32", bits(value) << tirx.const(16, "uint32"))
 
 
 def take(q, scale, ids, *, sch, k, n, group, panel=None):
