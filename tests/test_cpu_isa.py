@@ -124,3 +124,121 @@ def test_a_bf16_module_prefills_on_amx_and_decodes_without():
     text = mod["prefill"].script() if "prefill" in names else ""
     decode = mod["decode"].script()
     assert "amx_bf16_matmul" in text and "amx_bf16_matmul" not in decode
+
+
+def _vnni_targets():
+    """(lanes, target) for each VPDPBUSD width this CPU runs: AVX512-VNNI (the host target),
+    AVX-VNNI (a 256-bit target, `alderlake`)."""
+    from hla_tvm.quant import vnni
+    from hla_tvm.target import host_target, resolve
+
+    have = cpu_features.host_features() or set()
+    out = []
+    if vnni.lanes(host_target()) == 16:
+        out.append((16, host_target()))
+    if {"avxvnni", "avx2", "fma", "bmi2"} <= have:
+        out.append((8, resolve({"kind": "llvm", "mcpu": "alderlake"})))
+    return out
+
+
+needs_vnni = pytest.mark.skipif(not _vnni_targets(), reason="this CPU has no VNNI "
+                                "(grep -E 'avx512_vnni|avx_vnni' /proc/cpuinfo)")
+
+
+def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None):
+    """(out of the VNNI product, float64 x @ W) for a random weight under the scheme."""
+    import tvm
+
+    from hla_tvm.quant import vnni
+    from hla_tvm.quant.panels import stored
+    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+
+    sch = scheme(name, group)
+    rng = np.random.default_rng(m + k + n)
+    if x is None:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+    packed = quantize(sch, rng.standard_normal((k, n)).astype(np.float32))
+    lib = tvm.compile(tvm.IRModule({"f": vnni.matvec_func(sch, k, n, panel, lanes, "f")}),
+                      target=tgt)
+    out = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
+    lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(stored(sch, packed["q"], panel, True)),
+             tvm.runtime.tensor(packed["scale"]), out)
+    return out.numpy(), x.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name,group", [("int8", None), ("int8", 32), ("int4", 32),
+                                        ("int4", 128)])
+@pytest.mark.parametrize("m,k,n,panel", [(1, 128, 32, 32), (3, 256, 256, 128),
+                                         (2, 768, 384, 128)])
+def test_vnni_product_matches_float64(name, group, m, k, n, panel):
+    """x @ W on VPDPBUSD (the activations as three 8-bit digits a block, `quant.vnni`) for int8
+    per channel and grouped, int4 in groups of 32 and 128, one or several rows, blocks, panels
+    and parts, at each width this CPU runs: against numpy's float64 product of the same
+    weights, to float32 precision (2e-6 of the largest output)."""
+    for lanes, tgt in _vnni_targets():
+        if panel % lanes or (group or 0) > k:
+            continue
+        got, want = _vnni_run(name, group, m, k, n, panel, lanes, tgt)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
+                                   err_msg=f"{lanes} lanes")
+
+
+@needs_vnni
+def test_vnni_product_of_a_nan_or_infinity_is_nan():
+    """A row whose activations hold a NaN or an infinity gives NaN in every column (as the float
+    path's sums do for NaN), the other rows their products; a row of zeros gives zeros."""
+    lanes, tgt = _vnni_targets()[0]
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    x[0, 5], x[1, 40], x[3] = np.nan, np.inf, 0
+    got, want = _vnni_run("int8", None, 4, 64, 32, 32, lanes, tgt, x=x)
+    assert np.isnan(got[:2]).all()
+    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=2e-6 * np.abs(want[2]).max())
+    assert (got[3] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_weights_in_quads_read_back_as_stored(name):
+    """`panels.quads` round-trips, and the kernels' reader of quads (a prefill's dequantized
+    weight, any CPU) gives the scheme's weights: a several-row product against float64."""
+    import tvm
+    from tvm import te
+
+    from hla_tvm.quant import kernels
+    from hla_tvm.quant.panels import from_quads, quads, stored
+    from hla_tvm.quant.scheme import dequantize, quantize, scheme
+
+    sch = scheme(name, 32)
+    k, n, p = 64, 64, 32
+    rng = np.random.default_rng(1)
+    packed = quantize(sch, rng.standard_normal((k, n)).astype(np.float32))
+    assert (from_quads(name, quads(name, packed["q"])) == packed["q"]).all()
+    q = stored(sch, packed["q"], p, True)
+    x = te.placeholder((5, k), "float32", name="x")
+    qt = te.placeholder(q.shape, "uint32", name="q")
+    st = te.placeholder(packed["scale"].shape, "float32", name="s")
+    out = kernels.matmul(x, qt, st, sch=sch, k=k, n=n, group=32, panel=p)
+    lib = tvm.compile(te.create_prim_func([x, qt, st, out]), target="llvm")
+    xv = rng.standard_normal((5, k)).astype(np.float32)
+    res = tvm.runtime.tensor(np.zeros((5, n), np.float32))
+    lib(tvm.runtime.tensor(xv), tvm.runtime.tensor(q), tvm.runtime.tensor(packed["scale"]), res)
+    want = xv.astype(np.float64) @ dequantize(sch, packed).astype(np.float64)
+    np.testing.assert_allclose(res.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_an_integer_module_decodes_on_vnni_and_prefills_without(name):
+    """An int8 / int4 model compiled for this CPU: its decode step's products run the VNNI
+    kernel, its prefill's (several rows) the float ones."""
+    from hla_tvm.compiler import prepare, to_relax
+    from hla_tvm.quant.scheme import scheme
+    from hla_tvm.target import host_target
+
+    tgt = host_target()
+    mod, _ = prepare(to_relax(_tiny_model(), target=tgt), tgt, scheme(name))
+    names = [gv.name_hint for gv in mod.get_global_vars()]
+    assert any(n.startswith(f"vnni_{name}_matvec") for n in names), names
+    assert "vnni_" in mod["decode"].script()
+    if "prefill" in names:
+        assert "vnni_" not in mod["prefill"].script()

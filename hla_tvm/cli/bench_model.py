@@ -94,12 +94,18 @@ def _module_cases(model, name, schemes, target, batch, prompt):
 
 def units(schemes, target):
     """Notes naming the units the cases multiply on where they are not the float32 vectors:
-    the compiled bf16 prefill on AMX tiles, PyTorch's bfloat16 autocast on oneDNN's."""
-    from ..quant import amx
+    the compiled bf16 prefill on AMX tiles, int8 / int4 decode on integer dot products,
+    PyTorch's bfloat16 autocast on oneDNN's."""
+    from ..quant import amx, vnni
 
     out = []
     if "bf16" in schemes and amx.available(target):
         out.append("tvm bf16: prefill products on AMX tiles (bfloat16, float32 sums)")
+    lanes = vnni.lanes(target)
+    for sch in ("int8", "int4"):
+        if sch in schemes and lanes:
+            out.append(f"tvm {sch}: decode products on VPDPBUSD ({32 * lanes}-bit; activations "
+                       "as three 8-bit digits, float32 precision)")
     if has_bf16_units():
         out.append("torch bf16: oneDNN's bfloat16 kernels (AMX or AVX512-BF16 where present)")
     return out

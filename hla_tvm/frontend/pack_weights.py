@@ -5,6 +5,10 @@ dequantize them where they are used (`quant.kernels`).
     matmul(x, permute_dims(W [N, K]))  or  matmul(x, W [K, N])   ->  quant.kernels.matmul
     take(E [N, K], ids, axis=0)                                  ->  quant.kernels.take
 
+A bf16 prefill's products (several rows) go to AMX tiles where the target has them
+(`quant.amx`); an int8 / int4 decode step's (one row a batch entry) to VPDPBUSD where it has
+integer dot products (`quant.vnni`), which stores those weights in quads.
+
 with W, E Relax constants (a model's parameters). Every weight is stored once in the [K, N]
 layout a projection reads: an embedding table tied to the output head (one constant, or equal
 bytes) is one stored tensor serving both. A weight whose K does not split into the scheme's
@@ -83,16 +87,19 @@ def pack_weights(mod, sch, target):
     import tvm
     from tvm import relax
 
-    from ..quant import kernels
-    from ..quant import amx
+    from ..quant import amx, kernels, vnni
     from ..quant.panels import stored
     from ..quant.scheme import nbytes, quantize
 
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
     # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`)
     amx_ok = sch is not None and sch.name == "bf16" and amx.available(target)
+    # an int8 / int4 decode step's products on integer dot products where the target has them
+    vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
     amx_funcs = {}   # (K, N, P) -> the GlobalVar of its kernel
-    packed = {}     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width) or None
+    vnni_funcs = {}
+    # sha256 of a [K, N] weight's bytes -> (q const, scale const, width, in quads) or None
+    packed = {}
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
     phase = {"products": True}   # the pass rewrites the products, or the lookups
 
@@ -101,8 +108,8 @@ def pack_weights(mod, sch, target):
         return hashlib.sha256(data).hexdigest()
 
     def pack(w, key):
-        """The (q, scale or None, panel width) of the float32 [K, N] weight `w`, or None (kept
-        as it was)."""
+        """The (q, scale or None, panel width, in quads) of the float32 [K, N] weight `w`, or
+        None (kept as it was)."""
         if key not in packed:
             p = panel_width(w.shape[1], target)
             if sch is None and p is None:
@@ -116,8 +123,9 @@ def pack_weights(mod, sch, target):
                 report["bytes"] += nbytes(arrays)
                 report["float_bytes"] += int(w.nbytes)
                 scale = arrays.get("scale")
-                packed[key] = (relax.const(stored(sch, arrays["q"], p)),
-                               None if scale is None else relax.const(scale), p)
+                quads = vnni.fits(sch, *w.shape, p, vnni_lanes)
+                packed[key] = (relax.const(stored(sch, arrays["q"], p, quads)),
+                               None if scale is None else relax.const(scale), p, quads)
         return packed[key]
 
     @relax.expr_functor.mutator
@@ -136,7 +144,7 @@ def pack_weights(mod, sch, target):
             found = pack(w, key)
             if found is None:
                 return None
-            q, scale, p = found
+            q, scale, p, quads = found
             k, n = w.shape
             extra = dict(sch=sch, k=k, n=n, group=None if sch is None else sch.group(k),
                          panel=p)
@@ -144,6 +152,8 @@ def pack_weights(mod, sch, target):
             if name == "matmul" and sch is not None and sch.name == "bf16" and \
                     amx_ok and amx.fits(k, n, p) and _rows(data) != 1:
                 return self._amx_matmul(data, q, k, n, p)
+            if name == "matmul" and quads and _rows(data) == 1:
+                return self._vnni_matmul(data, q, scale, k, n, p)
 
             def te_fn(arg, qt, *st):
                 s = st[0] if st else None   # (bf16 has no scales)
@@ -173,6 +183,23 @@ def pack_weights(mod, sch, target):
                 amx_funcs[key], [rows, q], [relax.TensorType([m, n], "float32"),
                                             relax.TensorType([padded, k], "uint16")]))
             out = self.builder_.emit(relax.TupleGetItem(res, 0))
+            return relax.op.reshape(out, [*lead, n])
+
+        def _vnni_matmul(self, x, q, scale, k, n, p):
+            """x [.., 1, K] @ the int8 / int4 weight `q` (quads in panels of `p`) on integer
+            dot products (`quant.vnni`): x as [M, K] rows."""
+            from tvm import tirx
+
+            lead = list(x.ty.shape)[:-1]
+            m = functools.reduce(lambda a, b: a * b, lead, tirx.IntImm("int64", 1))
+            key = (k, n, p)
+            if key not in vnni_funcs:
+                fname = f"vnni_{sch.name}_matvec_{k}_{n}"
+                vnni_funcs[key] = self.builder_.add_func(
+                    vnni.matvec_func(sch, k, n, p, vnni_lanes, fname), fname)
+            rows = self.builder_.emit(relax.op.reshape(x, [m, k]))
+            out = self.builder_.emit(relax.call_tir(
+                vnni_funcs[key], [rows, q, scale], relax.TensorType([m, n], "float32")))
             return relax.op.reshape(out, [*lead, n])
 
         def visit_call_(self, call):

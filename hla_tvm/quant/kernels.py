@@ -46,11 +46,30 @@ def _nibble(q, k, n, panel):
     return tirx.Select(k % 2 == 0, byte & 15, byte >> 4)
 
 
-def stored_integer(sch, q, k, n, panel=None):
-    """The stored integer of W[k, n] as float32: the int8 value q (W = q s), or the int4 value
-    u in 0..15 (W = (u - 8) s)."""
+def _in_quad(q, k, n, panel, int4):
+    """The unsigned value of row k in the quads `q` (`panels.quads`, uint32 words), int32:
+    int8 u = q + 128 in byte k % 4 of word k // 4; int4 u in byte k % 4 of word k // 8, the
+    high nibble where k % 8 >= 4."""
+    from tvm import tirx
+
     from .panels import at
 
+    word = at(q, k // 8 if int4 else k // 4, n, panel)
+    shift = tirx.Cast("uint32", k % 4) * tirx.const(8, "uint32")
+    if int4:
+        shift = shift + tirx.Cast("uint32", (k // 4) % 2) * tirx.const(4, "uint32")
+    mask = tirx.const(15 if int4 else 255, "uint32")
+    return ((word >> shift) & mask).astype("int32")
+
+
+def stored_integer(sch, q, k, n, panel=None):
+    """The stored integer of W[k, n] as float32: the int8 value q (W = q s), or the int4 value
+    u in 0..15 (W = (u - 8) s); from either layout (int8 / uint8 rows, or uint32 quads)."""
+    from .panels import at
+
+    if str(q.dtype) == "uint32":   # quads (`panels.quads`)
+        u = _in_quad(q, k, n, panel, sch.name == "int4")
+        return (u - 128 if sch.name == "int8" else u).astype("float32")
     if sch.name == "int8":
         return at(q, k, n, panel).astype("float32")
     return _nibble(q, k, n, panel).astype("float32")

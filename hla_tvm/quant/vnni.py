@@ -1,0 +1,184 @@
+"""A decode step's int8 / int4 product on the CPU's integer dot products (VPDPBUSD, AVX512-VNNI
+or AVX-VNNI), to float32 precision: x [M, K] float32 @ W [K, N] -> out [M, N] float32, with W
+the scheme's stored integers (`scheme`) and scales,
+
+    W[k, n] = (u[k, n] - o) s[k // g, n]      u unsigned (int8: q + 128, o = 128; int4: o = 8)
+
+The activations are not rounded to 8 bits: each row's block of BLOCK inputs is written as
+DIGITS signed 8-bit digits in base RADIX of x / t, t = max |x| / 127 over the block,
+
+    x / t = d0 + d1 / R + d2 / R^2 + e,   d_i = round(remainder), |e| <= 1 / (2 R^2)
+
+so the sum is the float32 product up to 6e-8 of the block's largest |x| a row (an int8 weight
+times ONNX Runtime's int8 activations per block would be 4e-3 off). Per block and column:
+
+    c_i = sum_{k in block} u[k, n] d_i[k] - o sum_k d_i[k]            (int32, VPDPBUSD: u8 x s8)
+    out[m, n] += (c0 + c1 / R + c2 / R^2) t s[block's group, n]
+
+The stored integers are in quads (`panels.quads`): 32-bit words of four bytes, the layout of
+VPDPBUSD's unsigned operand (int8: one row each; int4: two nibbles each, rows 8r + j low and
+8r + 4 + j high). Loops (`matvec_func`, symbolic M): the rows' digits first (serial), then for
+each panel of P columns (parallel), each row: the blocks of K, each in parts of at most 4
+vectors of columns (3 x 4 int32 sums and the P float32 sums in registers), each block asking
+the cache for the weights PREFETCH bytes ahead. A row holding a NaN or an infinity gives NaN.
+
+Measured on the Xeon VM (2 cores, 2026-12-07), 768 x 6144 (the 120 M preset's gate and up
+projection), weights cold as in a decode step: int8 106-149 us (float path, `kernels.
+group_matvec`: 235-278), int4 67-101 us; without the prefetch 176-217 and 145-170
+(docs/cpu_schedules.md)."""
+from __future__ import annotations
+
+BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
+DIGITS, RADIX = 3, 254
+PREFETCH = 8192   # bytes of weights ahead of the block being summed that it asks the cache for
+OFFSET = {"int8": 128, "int4": 8}
+FEATURES = {16: "avx512vnni", 8: "avxvnni"}   # int32 lanes -> the feature giving VPDPBUSD
+INTRINSIC = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
+
+
+def lanes(target):
+    """int32 lanes of the target's VPDPBUSD (16: AVX512-VNNI with AVX-512 BW, 8: AVX-VNNI or
+    AVX512-VNNI with VL), or None where it has none (then the float path: `kernels`)."""
+    from tvm.target import codegen
+
+    if target.kind.name != "llvm":
+        return None
+
+    def has(feature):
+        try:
+            return bool(codegen.target_has_features(feature, target))
+        except Exception:  # noqa: BLE001 - a target LLVM cannot query
+            return False
+
+    if has("avx512vnni") and has("avx512bw"):
+        return 16
+    if has("avxvnni") or (has("avx512vnni") and has("avx512vl")):
+        return 8
+    return None
+
+
+def fits(sch, k, n, panel, width):
+    """Whether the weight [K = `k`, N = `n`] under the scheme `sch`, in panels of `panel`
+    columns, takes the kernel of `width` lanes (None: no VNNI): int8 or int4, K in whole
+    blocks, the panel in whole vectors."""
+    return width is not None and sch is not None and sch.name in OFFSET and \
+        panel is not None and k % BLOCK == 0 and panel % width == 0 and n % panel == 0
+
+
+def _part(vectors):
+    """Vectors of columns summed at once: 4 (12 int32 sums in registers) or all where fewer."""
+    return 4 if vectors % 4 == 0 else vectors
+
+
+def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
+    """The PrimFunc (x [M, K] float32, q [N / P, K / 4 (int4: / 8), P] uint32, scale [K / g, N],
+    out [M, N] float32), M symbolic, computing out as the module docstring says (the rows'
+    digits in a workspace of its own); scheduled already."""
+    from tvm.script import tirx as T
+
+    assert fits(sch, k, n, panel, width), (sch, k, n, panel, width)
+    int4 = sch.name == "int4"
+    g, p, lw = sch.group(k), panel, width
+    o = OFFSET[sch.name]
+    blocks, words = k // BLOCK, k // 8 if int4 else k // 4
+    part = _part(p // lw)
+    parts, span = p // lw // part, part * lw   # parts of a panel, columns of a part
+    ivec, bvec, fvec = f"int32x{lw}", f"int8x{4 * lw}", f"float32x{lw}"
+    intrin = INTRINSIC[lw]
+    steps = BLOCK // 4   # VPDPBUSD steps of 4 inputs a block
+    block_words = steps // 2 if int4 else steps   # rows of q a block
+    ahead = max(1, PREFETCH // (4 * p * block_words))   # blocks
+    inv1, inv2 = 1.0 / RADIX, 1.0 / RADIX / RADIX
+
+    def operand(q, jb, b, s, col):
+        """The weights of inputs 4s..4s+3 of block b for the lanes from column `col` of panel
+        jb, as VPDPBUSD's unsigned bytes."""
+        if not int4:
+            return T.reinterpret(bvec, q[jb, b * steps + s, T.ramp(col, 1, lw)])
+        word = q[jb, b * (steps // 2) + s // 2, T.ramp(col, 1, lw)]
+        nib = T.if_then_else(s % 2 == 0, word, T.shift_right(word, T.broadcast(T.uint32(4), lw)))
+        return T.reinterpret(bvec, T.bitwise_and(nib, T.broadcast(T.uint32(0x0F0F0F0F), lw)))
+
+    @T.prim_func
+    def func(var_x: T.handle, q: T.Buffer((n // p, words, p), "uint32"),
+             scale: T.Buffer((k // g, n), "float32"), var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, k), "float32")
+        out = T.match_buffer(var_out, (m, n), "float32")
+        dig = T.decl_buffer((m, DIGITS, k), "int8", align=64)
+        t = T.decl_buffer((m, blocks), "float32")
+        off = T.decl_buffer((m, DIGITS, blocks), "int32")
+        dw = T.decl_buffer((m, DIGITS, k // 4), "int32", data=dig.data)   # 4 digits a word
+        qf = T.decl_buffer((n // p * words * p,), "uint32", data=q.data)
+        # each row's digits, block by block
+        for r, b in T.grid(m, blocks):
+            top = T.decl_buffer((1,), "float32")
+            bad = T.decl_buffer((1,), "int32")   # 1 where the block holds a NaN or infinity
+            top[0] = T.float32(0)
+            bad[0] = 0
+            for i in range(BLOCK):
+                top[0] = T.max(top[0], T.fabs(x[r, b * BLOCK + i]))
+                # (tested on the bits: LLVM's fast-math flags fold a float test away)
+                bad[0] = T.max(bad[0], T.Cast("int32", T.bitwise_and(T.reinterpret(
+                    "uint32", x[r, b * BLOCK + i]), T.uint32(0x7F800000)) == T.uint32(
+                    0x7F800000)))
+            scale_t = T.decl_buffer((1,), "float32")
+            scale_t[0] = T.Select(top[0] > T.float32(0), top[0] / T.float32(127), T.float32(1))
+            t[r, b] = T.Select(bad[0] == 0, scale_t[0], T.reinterpret("float32",
+                                                                        T.uint32(0x7FC00000)))
+            total = T.decl_buffer((DIGITS,), "int32")
+            for d in range(DIGITS):
+                total[d] = 0
+            for i in range(BLOCK):
+                rest = T.decl_buffer((1,), "float32")
+                rest[0] = T.float32(0)
+                if bad[0] == 0:
+                    rest[0] = x[r, b * BLOCK + i] / scale_t[0]
+                for d in range(DIGITS):
+                    digit = T.decl_buffer((1,), "float32")
+                    digit[0] = T.round(rest[0])
+                    dig[r, d, b * BLOCK + i] = T.Cast("int8", digit[0])
+                    total[d] = total[d] + T.Cast("int32", digit[0])
+                    rest[0] = (rest[0] - digit[0]) * T.float32(RADIX)
+            for d in range(DIGITS):
+                off[r, d, b] = total[d] * (-o)
+        for jb in T.parallel(n // p):
+            for r in range(m):
+                sums = T.decl_buffer((p,), "float32")
+                acc = T.decl_buffer((DIGITS * span,), "int32")
+                for c in T.vectorized(p):
+                    sums[c] = T.float32(0)
+                for b in range(blocks):
+                    for line in T.unroll(block_words * p // 16):
+                        T.evaluate(T.call_llvm_intrin(
+                            "void", "llvm.prefetch.p0", T.address_of(qf[T.min(
+                                (jb * words + (b + ahead) * block_words) * p + line * 16,
+                                n // p * words * p - 1)]),
+                            T.uint32(0), T.uint32(3), T.uint32(1)))
+                    for h in T.unroll(parts):
+                        for d, v in T.grid(DIGITS, part):
+                            acc[T.ramp(d * span + v * lw, 1, lw)] = T.broadcast(off[r, d, b], lw)
+                        for s in T.unroll(steps):
+                            for d in T.unroll(DIGITS):
+                                for v in T.unroll(part):
+                                    acc[T.ramp(d * span + v * lw, 1, lw)] = \
+                                        T.call_llvm_pure_intrin(
+                                            ivec, intrin, acc[T.ramp(d * span + v * lw, 1, lw)],
+                                            operand(q, jb, b, s, h * span + v * lw),
+                                            T.reinterpret(bvec, T.broadcast(
+                                                dw[r, d, b * steps + s], lw)))
+                        for v in T.unroll(part):
+                            sums[T.ramp(h * span + v * lw, 1, lw)] = \
+                                sums[T.ramp(h * span + v * lw, 1, lw)] + (
+                                    T.Cast(fvec, acc[T.ramp(v * lw, 1, lw)]) +
+                                    T.Cast(fvec, acc[T.ramp(span + v * lw, 1, lw)]) *
+                                    T.broadcast(T.float32(inv1), lw) +
+                                    T.Cast(fvec, acc[T.ramp(2 * span + v * lw, 1, lw)]) *
+                                    T.broadcast(T.float32(inv2), lw)) * \
+                                T.broadcast(t[r, b], lw) * \
+                                scale[b * BLOCK // g, T.ramp(jb * p + h * span + v * lw, 1, lw)]
+                for c in T.vectorized(p):
+                    out[r, jb * p + c] = sums[c]
+
+    return func.with_attr({"global_symbol": name, "tirx.is_scheduled": True})
