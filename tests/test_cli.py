@@ -269,5 +269,9 @@ def test_bench_model_compares_schemes_and_peers_in_one_table(capsys, tmp_path):
         assert row["decode_tokens_s"] > 0 and row["prefill_tokens_s"] > 0 and case in out
     sizes = report["sizes"]
     assert sizes["tvm int4"]["weight_bytes"] * 4 < sizes["tvm float32"]["weight_bytes"]
+    # each peer's thread counts (the faster of one and all), named in the table
+    peers = {line.split(":")[0] for line in report["threads"]}
+    assert {"torch", "torch.compile", "onnxruntime"} <= peers, report["threads"]
+    assert "peers' fastest thread counts" in out and "other_load_cores" in report
     _fails_in_one_line(capsys, ["bench", "model", "--quantize", "int3"], "--quantize takes")
     _fails_in_one_line(capsys, ["bench", "decode", "x.pt"], "applies to `bench model`")

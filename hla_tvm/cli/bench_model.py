@@ -16,7 +16,9 @@ timed in one process, in interleaved rounds (each case once per round):
                        scheme: the time no decode step can beat at batch 1
 
 Decode: tokens/s of batch-B steps; prefill: tokens/s of a T-token prompt from a fresh state,
-logits of every position for every case. Module sizes and the weights' bytes per scheme are
+logits of every position for every case. Every peer runs with its best thread count as the
+modules do (`pool.Adaptive`): each PyTorch case and ONNX Runtime's decode session is tried with
+one thread and with all, and keeps the faster (`_fastest_threads`; the table's notes say which). Module sizes and the weights' bytes per scheme are
 listed under the table."""
 from __future__ import annotations
 
@@ -119,6 +121,37 @@ def has_bf16_units():
     return bool({"avx512bf16", "amx-bf16"} & (host_features() or set()))
 
 
+def _fastest_threads(forms, calls=3):
+    """(fn, label): of `forms` {threads: fn} the fn whose best of `calls` calls (after one
+    warm-up) is fastest, and "N thread(s)". On a busy machine PyTorch's default of every core
+    lost 7x to one thread on an eager decode step (46.7 against 6.2 ms)."""
+    best = None
+    for threads, fn in forms.items():
+        fn()
+        t = min(_timed(fn) for _ in range(calls))
+        if best is None or t < best[0]:
+            best = (t, threads, fn)
+    return best[2], f"{best[1]} thread{'s' if best[1] > 1 else ''}"
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _with_torch_threads(fn, threads):
+    """`fn` run with PyTorch's pool at `threads` (set back after)."""
+    def run():
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+    return run
+
+
 def _torch_cases(model, batch, prompt, compiled):
     """{name: (decode step, prefill)} of PyTorch eager and torch.compile, each also under
     bfloat16 autocast where the CPU has bfloat16 units (`has_bf16_units`)."""
@@ -149,10 +182,23 @@ def _torch_cases(model, batch, prompt, compiled):
     return out
 
 
-def _onnx_cases(model, batch, prompt, folder):
+def _threads_chosen(cases, threads):
+    """`cases` {name: (decode, prefill)} of PyTorch with each fn at its fastest of 1 and
+    `threads` threads (`_fastest_threads`), and notes naming the choices."""
+    out, notes = {}, []
+    for name, fns in cases.items():
+        chosen = [_fastest_threads({n: _with_torch_threads(fn, n) for n in sorted({1, threads})})
+                  for fn in fns]
+        out[name] = tuple(fn for fn, _ in chosen)
+        notes.append(f"{name}: decode {chosen[0][1]}, prefill {chosen[1][1]}")
+    return out, notes
+
+
+def _onnx_cases(model, batch, prompt, folder, notes):
     """{name: (decode step, prefill)} of ONNX Runtime on the exported graphs, float32 and after
     MatMulNBitsQuantizer (4 bits, block 32); {} without onnxruntime. A quantizer failure is
-    returned under "onnxruntime int4" as its message."""
+    returned under "onnxruntime int4" as its message. The decode step runs the faster of a
+    one-thread session and a default one (`_fastest_threads`), named in `notes`."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -192,25 +238,32 @@ def _onnx_cases(model, batch, prompt, folder):
         graphs["onnxruntime int4"] = tuple(quantized)
     except Exception as err:  # noqa: BLE001 - reported in the table's notes
         graphs["onnxruntime int4"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    def session(path, threads=0):
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.intra_op_num_threads = threads   # 0: ONNX Runtime's default (every core)
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
     cases = {}
     for name, paths in graphs.items():
         if isinstance(paths, str):
             cases[name] = paths
             continue
-        sd, sp = (ort.InferenceSession(p, opts, providers=["CPUExecutionProvider"])
-                  for p in paths)
+        sd, sp = session(paths[0]), session(paths[1])
+        one = session(paths[0], 1)
         names = [i.name for i in sd.get_inputs()]
         state = [x.numpy() for x in flatten_state(model.init_state(batch))]
         feed = {"s": dict(zip(names, [np.zeros(batch, dtype=np.int64), *state]))}
 
-        def step(sess=sd, f=feed, n=names):
+        def step(sess, f=feed, n=names):
             outs = sess.run(None, f["s"])
             f["s"] = dict(zip(n, [f["s"][n[0]], *outs[1:]]))
 
+        chosen, label = _fastest_threads({os.cpu_count() or 1: lambda: step(sd),
+                                          1: lambda: step(one)})
+        notes.append(f"{name}: decode {label}")
         ids = {sp.get_inputs()[0].name: np.zeros((batch, prompt), dtype=np.int64)}
-        cases[name] = (step, lambda sess=sp, i=ids: sess.run(None, i))
+        cases[name] = (chosen, lambda sess=sp, i=ids: sess.run(None, i))
     return cases
 
 
@@ -218,6 +271,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
         steps=50, peers=True, target=None, json_path=None, out=print):
     """Time every case (module docstring); print one table and return the report."""
     from ..compiler import resolve_model_target
+    from ..runtime.pool import OtherLoad
     from .timing import machine, measure_rounds
 
     tgt = resolve_model_target(target)
@@ -228,9 +282,12 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
     cases, sizes = _module_cases(model, name, schemes, tgt, batch, prompt)
     notes = []
     with tempfile.TemporaryDirectory() as folder:
+        threads = []   # the thread counts the peers' cases run with
         if peers:
-            cases.update(_torch_cases(model, batch, prompt, compiled=True))
-            for k, v in _onnx_cases(model, batch, prompt, folder).items():
+            chosen, threads = _threads_chosen(_torch_cases(model, batch, prompt, compiled=True),
+                                              torch.get_num_threads())
+            cases.update(chosen)
+            for k, v in _onnx_cases(model, batch, prompt, folder, threads).items():
                 if isinstance(v, str):
                     notes.append(f"{k}: not run ({v})")
                 else:
@@ -239,8 +296,10 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
         decode = {k: (lambda f=v[0]: [f() for _ in range(steps)]) for k, v in cases.items()}
         decode.update({k: (lambda f=f: [f() for _ in range(steps)]) for k, f in floors.items()})
         prefill = {k: v[1] for k, v in cases.items()}
-        t_dec = measure_rounds(decode, rounds)
-        t_pre = measure_rounds(prefill, rounds)
+        busy = {}
+        with OtherLoad() as load:
+            t_dec = measure_rounds(decode, rounds, busy=busy)
+            t_pre = measure_rounds(prefill, rounds, busy=busy)
     rows = {}
     for k in decode:
         sec = min(t_dec[k]) / steps
@@ -253,6 +312,8 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
               "machine": machine(), "target": str(tgt), "rounds": rounds,
               "sizes": {k: {"module_bytes": a, "weight_bytes": b} for k, (a, b) in sizes.items()},
               "results": rows, "notes": notes, "units": units(schemes, tgt) if peers else [],
+              "threads": threads, "other_load_cores": load.cores,
+              "busy_runs": busy,
               "date": time.strftime("%Y-%m-%d")}
     _table(report, out)
     if json_path:
@@ -264,6 +325,8 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
 
 
 def _table(report, out):
+    from ..runtime.pool import OtherLoad
+
     rows, base = report["results"], report["results"].get("tvm float32")
     out(f"{'case':<18} {'decode tok/s':>13} {'step':>10} {'vs tvm f32':>11} "
         f"{'prefill tok/s':>14} {'vs tvm f32':>11}")
@@ -279,6 +342,16 @@ def _table(report, out):
             " MB")
     for note in report["units"] + report["notes"]:
         out("note: " + note)
+    if report.get("threads"):
+        out("note: peers' fastest thread counts: " + "; ".join(report["threads"]))
+    others = report.get("other_load_cores")
+    if others is not None and others >= OtherLoad.BUSY:
+        out(f"note: other processes kept {others:.1f} of this machine's CPUs busy while it "
+            "was timed: every case ran slower than on a quiet machine, the ratios may differ")
+    if report.get("busy_runs"):
+        out("note: " + ", ".join(f"{n} {k}" for n, k in report["busy_runs"].items()) +
+            " timed runs started with this process's threads still working after waiting 1 s: "
+            "those times may be high")
     m = report["machine"]
     out(f"({m['cpu']}, {m['cores']} cores, {m['isa']}; {report['date']}; fastest of "
         f"{report['rounds']} rounds; 'vs tvm f32': tvm float32's time over this case's, above 1 "
