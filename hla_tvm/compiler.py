@@ -95,15 +95,88 @@ def to_relax(model, *, max_batch=None, target=None):
     state_dims = tuple(_dims({0: batch}) for _ in st)
     mods = {}
     with torch.no_grad(), chunks_for(target):
-        ep = torch.export.export(
+        ep, skips = export_prefill(
             Prefill(model, layout), (torch.zeros(rows, 8, dtype=torch.int64), *st),
-            dynamic_shapes=(_dims({0: batch, 1: seq}), state_dims))
+            (_dims({0: batch, 1: seq}), state_dims))
         mods["prefill"] = import_exported(ep)
+        if skips:
+            mods["prefill"]["main"] = mods["prefill"]["main"].with_attr(PREFILL_SKIPS, skips)
         ep = torch.export.export(
             Decode(model, layout), (torch.zeros(rows, dtype=torch.int64), *st),
             dynamic_shapes=(_dims({0: batch}), state_dims))
         mods["decode"] = import_exported(ep)
     return merge_entries(mods)
+
+
+PREFILL_SKIPS = "hla_tvm.prefill_skips"   # the prefill function's lengths it must not take
+
+
+def export_prefill(fn, args, dynamic_shapes):
+    """(torch.export's program of the prefill `fn`, [prompt lengths it must not take]).
+
+    Where torch refuses the length's range because the model slices the time axis (it guards
+    a sliced length against 1: `h[:, :-1]` gives "T - 1 != 1", refusing prompts of 2 tokens),
+    the guards are exported as runtime assertions instead, and every one must exclude single
+    lengths only (checked here by evaluating it): those lengths are returned, and the runtime
+    runs a piece of such a length as decode steps (metadata "prefill_skips"). A condition
+    that excludes more (a model whose code branches on the prompt's length) is refused in one
+    line."""
+    import torch
+
+    try:
+        return torch.export.export(fn, args, dynamic_shapes=dynamic_shapes), []
+    except torch._dynamo.exc.UserError as err:
+        if "Constraints violated" not in str(err):
+            raise
+        first = str(err).strip().splitlines()
+    try:
+        ep = torch.export.export(fn, args, dynamic_shapes=dynamic_shapes,
+                                 prefer_deferred_runtime_asserts_over_guards=True)
+    except Exception as err:  # noqa: BLE001 - torch's constraint errors, several classes
+        if "Constraints violated" not in str(err):
+            raise
+        guard = next((line.strip(" -") for line in str(err).splitlines()
+                      if "guard" in line), first[0])
+        raise ValueError(f"the model's prefill depends on the prompt's length in a way "
+                         f"torch.export cannot keep symbolic ({guard[:300]})") from None
+    return ep, excluded_lengths(ep, first)
+
+
+def excluded_lengths(ep, reason=()):
+    """The prompt lengths 2..256 the runtime assertions of the prefill program `ep` exclude;
+    ValueError where one excludes a length beyond them, more than 8, or depends on the
+    batch. (Decode steps compute what a causal model's prefill computes.)"""
+    import sympy
+
+    tokens = next(n for n in ep.graph.nodes if n.op == "placeholder" and
+                  n.name in ep.graph_signature.user_inputs)
+    batch, seq = (getattr(d, "node", None) for d in tokens.meta["val"].shape)
+    seq_sym = seq.expr if seq is not None else None
+    batch_sym = batch.expr if batch is not None and not isinstance(batch.expr, sympy.Integer) \
+        else None
+    skips = set()
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or "_assert_scalar" not in str(node.target):
+            continue
+        cond = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        expr = getattr(getattr(cond, "node", None), "expr", None)
+        if expr is None or seq_sym is None:
+            continue
+        found = None
+        for b in (1, 2, 3, 8):
+            subs = {batch_sym: b} if batch_sym is not None else {}
+            bad = {t for t in (*range(2, 257), 1000, 4096, 65536)
+                   if not bool(expr.subs({**subs, seq_sym: t}))}
+            if found is not None and bad != found:
+                found = None
+                break
+            found = bad
+        if found is None or len(found) > 8 or any(t > 256 for t in found):
+            why = reason[-1].strip() if reason else str(expr)
+            raise ValueError(f"the model's prefill depends on the prompt's length in a way "
+                             f"torch.export cannot keep symbolic ({expr}; {why[:200]})")
+        skips |= found
+    return sorted(skips)
 
 
 def entries(mod):
@@ -363,6 +436,9 @@ def build(mod, meta, target, out, records_path=None):
 
     mod = target_entries(mod, target)
     meta = {**meta, "entries": entries(mod)}
+    if "prefill" in meta["entries"] and mod["prefill"].attrs and \
+            PREFILL_SKIPS in mod["prefill"].attrs:
+        meta["prefill_skips"] = [int(t) for t in mod["prefill"].attrs[PREFILL_SKIPS]]
     exe, meta = executable(mod, meta, target, records_path)
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))

@@ -4,7 +4,10 @@
     token shift), where the frontend's safe `take` once clamped index -1 to row 0;
   - `cumsum` (transformers' `position_ids = attention_mask.cumsum(-1) - 1`) and
     `Tensor.scatter`, whose kernels TVM's legalizer emits without a root block, which the CPU
-    schedule rules assumed (a crash in `ParallelFallback`)."""
+    schedule rules assumed (a crash in `ParallelFallback`);
+  - slices of the time axis: a token shift `torch.cat([prev, h[:, :-1]], 1)` (RWKV, Mamba's
+    convolutions), which torch.export refused for prompts of two tokens, and `h + h[:, -1:]`,
+    whose shape TVM lost ("emit_te now only supports Tensor that has ShapeExpr shape")."""
 import numpy as np
 import pytest
 import torch
@@ -89,8 +92,39 @@ class ScatterLM(_Tiny):
         return h + marks
 
 
+class ShiftLM(_Tiny):
+    """A token shift, as RWKV writes it: each row mixed with the row before it, the first with
+    the last row of the step before (a state entry of the model's own):
+    `torch.cat([prev[:, None], h[:, :-1]], 1)`."""
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch), {"prev": torch.zeros(batch, D)}]
+
+    def forward(self, tokens, state=None):
+        x = self.inputs(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        h = x + y
+        prev = torch.zeros(h.shape[0], D) if state is None else state[1]["prev"]
+        shifted = torch.cat([prev[:, None], h[:, :-1]], 1)
+        return self.head(h + 0.5 * shifted), [st, {"prev": h[:, -1]}]
+
+
+class LastSliceLM(_Tiny):
+    """The last row as a one-row slice, `h + h[:, -1:]`."""
+
+    def mix(self, tokens, h):
+        return h + h[:, -1:]
+
+
+class LengthBranchLM(_Tiny):
+    """Code that branches on the prompt's length beyond a few values (refused)."""
+
+    def mix(self, tokens, h):
+        return h * 2 if h.shape[1] > 300 else h
+
+
 MODELS = {"negative": lambda: LastRowLM("negative"), "symbolic": lambda: LastRowLM("symbolic"),
-          "cumsum": CumsumLM, "scatter": ScatterLM}
+          "cumsum": CumsumLM, "scatter": ScatterLM, "shift": ShiftLM, "last_slice": LastSliceLM}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +186,35 @@ def test_cumsum_positions_match_pytorch(compiled_pattern):
 def test_scatter_matches_pytorch(compiled_pattern):
     """Tensor.scatter (a tensor source and a value) compiles and matches."""
     _check_prefill_and_decode(*compiled_pattern("scatter"))
+
+
+def test_token_shift_matches_pytorch_at_every_length(compiled_pattern):
+    """The token shift compiles (torch.export's guard "T - 1 != 1" kept as a runtime
+    assertion: the module records that its prefill must not take 2 tokens, which the runtime
+    runs as decode steps) and matches PyTorch for prompts of 2, 3, 5 and 13 tokens and the
+    decode steps after them."""
+    model, m = compiled_pattern("shift")
+    assert m.meta["prefill_skips"] == [2]
+    _check_prefill_and_decode(model, m, lengths=(2, 3, 5, 13))
+
+
+def test_a_one_row_slice_of_the_time_axis_matches_pytorch(compiled_pattern):
+    """`h + h[:, -1:]` keeps its shape through TVM's importer (`frontend.shape_bounds`) and
+    matches."""
+    model, m = compiled_pattern("last_slice")
+    assert "prefill_skips" not in m.meta
+    _check_prefill_and_decode(model, m)
+
+
+def test_code_branching_on_the_prompt_length_is_refused_in_one_line(tmp_path):
+    """A model whose code takes another branch beyond 300 tokens cannot have one symbolic
+    prefill: refused in one line naming the condition, no module written."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError) as err:
+        compile_model(LengthBranchLM().eval(), out=tmp_path / "m.so")
+    msg = str(err.value)
+    assert "\n" not in msg and "prompt's length" in msg and "300" in msg, msg
+    assert not (tmp_path / "m.so").exists()
 
 
 def _relax_module(build, arrays):

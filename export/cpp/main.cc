@@ -41,6 +41,7 @@
 #include <iomanip>
 #include <iostream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -535,6 +536,7 @@ struct Model {
   bool has_prefill = false;
   int64_t vocab = 0;
   int64_t chunk = 0;   // the model's chunk size (config "chunk_size"; 0: unknown)
+  std::set<int64_t> skips;   // the metadata's "prefill_skips"
   bool bytes = false;  // byte-level vocabulary (config "vocab": "bytes")
 
   explicit Model(const std::string& path) {
@@ -572,6 +574,12 @@ struct Model {
               config.at("vocab").cast<ffi::String>() == "bytes";
       if (config.count("chunk_size")) {
         if (auto c = config.at("chunk_size").as<int64_t>()) chunk = *c;
+      }
+    }
+    // prompt lengths the prefill entry must not take (a model slicing its time axis): decode
+    if (meta.count("prefill_skips") && meta.at("prefill_skips") != nullptr) {
+      for (const ffi::Any& t : meta.at("prefill_skips").cast<ffi::json::Array>()) {
+        skips.insert(t.cast<int64_t>());
       }
     }
     // one stream: the module's static-shape step where it has one (no shape work per call)
@@ -621,6 +629,10 @@ struct Model {
                                                               : std::vector<int64_t>{0, T};
       std::vector<float> last;
       for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+        if (skips.count(bounds[i + 1] - bounds[i])) {   // a length the prefill must not take
+          for (int64_t j = bounds[i]; j < bounds[i + 1]; ++j) last = Run(decode, {ids[j]}, false);
+          continue;
+        }
         last = Run(prefill, std::vector<int64_t>(ids.begin() + bounds[i],
                                                  ids.begin() + bounds[i + 1]), true);
       }

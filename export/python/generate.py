@@ -355,8 +355,13 @@ def generate(vm, meta, tensors, prompt, steps, temperature=0.0, top_k=0, seed=0,
         # on a CPU a long prompt in pieces, each continuing the state (as hla_tvm.runtime)
         bounds = prefill_pieces(len(prompt), (meta.get("config") or {}).get("chunk_size")) \
             if not tensors.gpu else [0, len(prompt)]
+        skips = meta.get("prefill_skips") or ()   # lengths the prefill entry must not take
         for start, end in zip(bounds, bounds[1:]):
-            logits = run("prefill", np.array([prompt[start:end]], dtype=np.int64))
+            if end - start in skips:
+                for t in prompt[start:end]:
+                    logits = run(step_entry, np.array([t], dtype=np.int64))
+            else:
+                logits = run("prefill", np.array([prompt[start:end]], dtype=np.int64))
     else:
         for t in prompt:
             logits = run(step_entry, np.array([t], dtype=np.int64))

@@ -49,11 +49,36 @@ def import_exported(ep):
     from tvm.relax.frontend.torch import from_exported_program
 
     from .flat_matmul import unflatten_matmuls
+    from .shape_bounds import export_ranges, tighten_shapes
 
-    with quiet_pytree_deprecation():   # TVM's importer runs ep.run_decompositions()
+    ep = without_runtime_asserts(ep)   # (decomposed there, as TVM's importer would)
+    with quiet_pytree_deprecation():
         mod = from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node,
-                                                            "select.int": convert_select})
-    return unflatten_matmuls(mod)
+                                                            "select.int": convert_select},
+                                    run_ep_decomposition=False)
+    return unflatten_matmuls(tighten_shapes(mod, export_ranges(ep)))
+
+
+ASSERTS = ("aten._assert_scalar.default", "aten._assert_async.msg",
+           "aten.sym_constrain_range_for_size.default", "aten.sym_constrain_range.default")
+
+
+def without_runtime_asserts(ep):
+    """`ep` decomposed as TVM's importer decomposes it, less its runtime assertions on sizes
+    (with their symbolic-integer arithmetic): what `prefer_deferred_runtime_asserts_over_
+    guards` leaves in the graph where torch.export would otherwise refuse a length. `compile`
+    exports so because torch guards a size against 1 where a slice of the time axis may have
+    one row (`h[:, :-1]`: "T - 1 != 1", which refused prompts of two tokens); the graph
+    computes every length alike, and TVM's importer has no converter for the assertions."""
+    with quiet_pytree_deprecation():
+        ep = ep.run_decompositions()
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and str(node.target) in ASSERTS:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return ep
 
 
 @contextlib.contextmanager

@@ -462,18 +462,17 @@ class CompiledModel:
         if arr.ndim == 2 and (arr.shape[1] == 1 or "prefill" not in self.entries):
             # the prefill entry takes T >= 2; modules compiled from a decode graph have none
             self._tokens(tokens, 2, "tokens")
-            steps = []
-            for t in range(arr.shape[1]):
-                out, state = self.decode(arr[:, t], state)
-                steps.append(out)
-            return (steps[-1] if last else np.stack(steps, axis=1)), state
+            return self._decode_steps(arr, state, last)
         t = self._tokens(tokens, 2, "tokens")
         bounds = [0, t.shape[1]] if self.on_gpu else \
             prefill_pieces(t.shape[1], (self.meta.get("config") or {}).get("chunk_size"))
+        # lengths the prefill entry must not take (`compiler.export_prefill`): decode steps
+        skips = self.meta.get("prefill_skips") or ()
         out = None
         for start, end in zip(bounds, bounds[1:]):
-            part, state = self._run("prefill", np.ascontiguousarray(t[:, start:end]), state,
-                                    last)
+            piece = np.ascontiguousarray(t[:, start:end])
+            part, state = self._decode_steps(piece, state, last) if end - start in skips else \
+                self._run("prefill", piece, state, last)
             if last or len(bounds) == 2:
                 out = part
             else:
@@ -481,6 +480,15 @@ class CompiledModel:
                     out = np.empty((t.shape[0], t.shape[1], *part.shape[2:]), part.dtype)
                 out[:, start:end] = part
         return out, state
+
+    def _decode_steps(self, tokens, state, last):
+        """(logits, state) of the prompt `tokens` [B, T] run as T decode steps: [B, T, vocab],
+        or [B, vocab] of the last where `last`."""
+        steps = []
+        for t in range(tokens.shape[1]):
+            out, state = self.decode(tokens[:, t], state)
+            steps.append(out)
+        return (steps[-1] if last else np.stack(steps, axis=1)), state
 
     def decode(self, tokens, state):
         """(logits [B, vocab] numpy, state) after one token per sequence, `tokens` [B]."""
