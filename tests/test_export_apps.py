@@ -161,6 +161,30 @@ def test_script_prefill_pieces_equal_the_runtime():
             assert ns["prefill_pieces"](T, chunk) == runtime.prefill_pieces(T, chunk), (T, chunk)
 
 
+def test_script_refuses_a_module_for_features_this_cpu_lacks(monkeypatch):
+    """The script knows the CPU features as hla_tvm.runtime does (the same table) and refuses,
+    in one line naming the feature, a module whose code needs one this CPU lacks (its code
+    would stop with SIGILL)."""
+    import runpy
+
+    from hla_tvm.runtime import cpu_features
+
+    ns = runpy.run_path(os.path.join(ROOT, "export", "python", "generate.py"),
+                        run_name="generate")
+    assert ns["X86"] == cpu_features.X86
+    have = ns["host_features"]()
+    if have is None:
+        pytest.skip("not x86-64 Linux")
+    assert have == set(cpu_features.host_features())
+    check = ns["check_features"]
+    check("m.so", {"cpu_features": sorted(have)})   # all present: no error
+    needed = sorted(have | {"avx2"})
+    monkeypatch.setitem(check.__globals__, "host_features", lambda: set(needed) - {"avx2"})
+    with pytest.raises(ValueError) as err:   # a CPU without AVX2, faked
+        check("m.so", {"cpu_features": needed})
+    assert "avx2" in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 def test_cpp_prefill_pieces_equal_the_runtime(tmp_path):
     """The C++ app's PrefillPieces (its source, compiled alone) gives hla_tvm.runtime's
@@ -191,6 +215,19 @@ def test_cpp_prefill_pieces_equal_the_runtime(tmp_path):
     assert len(got) == len(pairs)
     for (T, chunk), bounds in zip(pairs, got):
         assert bounds == runtime.prefill_pieces(T, chunk or None), (T, chunk)
+
+
+def test_cpp_app_knows_the_cpu_features_as_the_runtime():
+    """The C++ app's table of CPU features (it refuses a module needing one this CPU lacks)
+    is hla_tvm.runtime's (the app runs where hla_tvm is not installed, so it holds it too)."""
+    import re
+
+    from hla_tvm.runtime import cpu_features
+
+    source = open(os.path.join(ROOT, "export", "cpp", "main.cc")).read()
+    table = re.search(r"kX86\[\] = \{(.*?)\};", source, re.S)
+    assert table
+    assert dict(re.findall(r'\{"([^"]+)", "([^"]+)"\}', table.group(1))) == cpu_features.X86
 
 
 @needs_cmake

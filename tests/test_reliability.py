@@ -183,7 +183,8 @@ def test_the_package_writes_files_through_one_helper():
 
 # --- silent wrong answers --------------------------------------------------------------------
 class UserLM(nn.Module):
-    """A user's own model: learned positions, LayerNorm, GELU, no config."""
+    """A user's own model: learned positions (the next position an int64 state entry of its
+    own, so a decode step reads its token's position), LayerNorm, GELU, no config."""
 
     def __init__(self, vocab=50, d=32, heads=2, positions=64):
         super().__init__()
@@ -193,13 +194,16 @@ class UserLM(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def init_state(self, batch):
-        return [self.att.init_state(batch)]
+        return [self.att.init_state(batch), {"position": torch.zeros(batch, dtype=torch.int64)}]
 
     def forward(self, tokens, state=None):
-        x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]) % 64)
+        start = torch.zeros(tokens.shape[0], dtype=torch.int64) if state is None else \
+            state[1]["position"]
+        positions = start[:, None] + torch.arange(tokens.shape[1])
+        x = self.emb(tokens) + self.pos(positions % self.pos.num_embeddings)
         y, st = self.att(self.norm(x), None if state is None else state[0])
         x = x + y
-        return self.head(x + self.mlp(x)), [st]
+        return self.head(x + self.mlp(x)), [st, {"position": start + tokens.shape[1]}]
 
 
 class ClampedLM(UserLM):
@@ -225,6 +229,16 @@ def test_a_users_own_model_checks_token_ids(user_module):
     with torch.no_grad():
         want, _ = model(torch.from_numpy(tokens))
     np.testing.assert_allclose(logits, want.numpy(), rtol=0, atol=1e-4 * float(want.abs().max()))
+    # decode steps read their positions from the state (its own int64 entry), as PyTorch
+    with torch.no_grad():
+        _, st = model(torch.from_numpy(tokens))
+    for tok in (4, 9, 1, 30):
+        got, state = m.decode(np.array([tok]), state)
+        with torch.no_grad():
+            want, st = model(torch.tensor([[tok]]), st)
+        np.testing.assert_allclose(got, want[:, 0].numpy(), rtol=0,
+                                   atol=1e-4 * float(want.abs().max()))
+    assert int(np.asarray(state[-1])[0]) == 9   # the module's own count of tokens
     for bad in (1_000_000_000, -5, 50):
         with pytest.raises(ValueError, match=r"tokens must lie in \[0, 50\)"):
             m.decode(np.array([bad]), state)

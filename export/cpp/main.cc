@@ -45,6 +45,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ffi = tvm::ffi;
@@ -408,6 +409,51 @@ std::string ReadHead(const std::string& path, size_t n) {
   return head;
 }
 
+// /proc/cpuinfo flag -> LLVM feature, as hla_tvm.runtime.cpu_features.X86: the features a
+// module's metadata may record ("cpu_features").
+const std::pair<const char*, const char*> kX86[] = {
+    {"sse4_2", "sse4.2"}, {"avx", "avx"}, {"f16c", "f16c"}, {"fma", "fma"}, {"avx2", "avx2"},
+    {"bmi2", "bmi2"}, {"avx512f", "avx512f"}, {"avx512cd", "avx512cd"},
+    {"avx512bw", "avx512bw"}, {"avx512dq", "avx512dq"}, {"avx512vl", "avx512vl"},
+    {"avx512vbmi", "avx512vbmi"}, {"avx512_vbmi2", "avx512vbmi2"},
+    {"avx512_vnni", "avx512vnni"}, {"avx_vnni", "avxvnni"}, {"avx512_bf16", "avx512bf16"},
+    {"avx512_fp16", "avx512fp16"}, {"amx_tile", "amx-tile"}, {"amx_bf16", "amx-bf16"},
+    {"amx_int8", "amx-int8"}};
+
+// Refuse a module whose code may use an x86 feature this CPU lacks (it would stop with an
+// illegal instruction), as hla_tvm.runtime.load does: its metadata's "cpu_features" against
+// /proc/cpuinfo's flags (nothing checked where they cannot be read).
+void CheckFeatures(const std::string& path, const std::string& note) {
+  std::ifstream info("/proc/cpuinfo");
+  std::string line;
+  std::set<std::string> flags;
+  while (std::getline(info, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    for (std::string w; words >> w;) flags.insert(w);
+    break;
+  }
+  if (flags.empty()) return;
+  ffi::String error;
+  ffi::json::Value parsed = ffi::json::Parse(note, &error);
+  if (!error.empty()) return;   // (the format check above has read it)
+  ffi::json::Object meta = parsed.cast<ffi::json::Object>();
+  if (!meta.count("cpu_features") || meta.at("cpu_features") == nullptr) return;
+  std::string lacking;
+  for (const ffi::Any& f : meta.at("cpu_features").cast<ffi::json::Array>()) {
+    std::string feature = f.cast<ffi::String>();
+    for (const auto& [flag, llvm] : kX86) {
+      if (feature == llvm && !flags.count(flag)) lacking += (lacking.empty() ? "" : ", ") + feature;
+    }
+  }
+  if (!lacking.empty()) {
+    throw std::runtime_error(path + " was compiled for a CPU with " + lacking + ", which this "
+                             "CPU lacks (its code would stop with an illegal instruction): "
+                             "compile it on this machine or for every x86-64 CPU "
+                             "(--target x86-64)");
+  }
+}
+
 // Refuse a file that is not a whole, unmodified module written by `hla-tvm compile` for this
 // machine's architecture, before it is loaded (a truncated library would kill the process when
 // mapped, an altered one compute wrong answers, and a library that is not an hla_tvm model would
@@ -485,6 +531,7 @@ void CheckModule(const std::string& path) {
                              (note.empty() ? "is missing" : "does not name hla_tvm.module/1") +
                              "); compile it with `hla-tvm compile`");
   }
+  CheckFeatures(path, note);
 }
 
 // The library at `path`; a module for a GPU without its device code `folder` is refused plainly.

@@ -115,6 +115,45 @@ def _machine_code(path):
     return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
 
 
+# /proc/cpuinfo flag -> LLVM feature, as `hla_tvm.runtime.cpu_features.X86` (this script imports
+# nothing of hla_tvm): the features a module's metadata may record ("cpu_features")
+X86 = {
+    "sse4_2": "sse4.2", "avx": "avx", "f16c": "f16c", "fma": "fma", "avx2": "avx2",
+    "bmi2": "bmi2", "avx512f": "avx512f", "avx512cd": "avx512cd", "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq", "avx512vl": "avx512vl", "avx512vbmi": "avx512vbmi",
+    "avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni",
+    "avx512_bf16": "avx512bf16", "avx512_fp16": "avx512fp16", "amx_tile": "amx-tile",
+    "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
+}
+
+
+def host_features():
+    """The LLVM names of the X86 features this CPU reports, or None (not x86-64 Linux)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    return {llvm for flag, llvm in X86.items() if flag in flags}
+    except OSError:
+        return None
+    return None
+
+
+def check_features(path, meta):
+    """ValueError (one line) naming the features the module's code may use that this CPU
+    lacks (running it would stop with an illegal instruction), as `hla_tvm.runtime.load`."""
+    have = host_features()
+    needed = meta.get("cpu_features") or []
+    lacking = [f for f in needed if have is not None and f in X86.values() and f not in have]
+    if lacking:
+        raise ValueError(f"{path} was compiled for a CPU with {', '.join(lacking)}, which this "
+                         "CPU lacks (its code would stop with an illegal instruction): compile "
+                         "it on this machine or for every x86-64 CPU (--target x86-64)")
+
+
 def check_module(path):
     """Refuse (ValueError, one line) a file that is not a whole, unmodified module written by
     `hla-tvm compile` for this machine's architecture, before it is loaded: a truncated library
@@ -165,6 +204,7 @@ def check_module(path):
         raise ValueError(f"{path}: not an hla_tvm compiled model (its metadata note "
                          f"{'is missing' if note is None else 'does not name ' + MODULE_FORMAT}"
                          "); compile it with `hla-tvm compile`")
+    check_features(path, meta)
 
 
 def device_code_folder(module):
