@@ -286,3 +286,59 @@ def test_onnx_file_with_quantized_weights_runs_everywhere_and_compiles_alike(nam
     with pytest.raises(ValueError, match="already"):
         hla_onnx.compile(path, out=tmp_path / "other.so",
                          quantize="int8" if name != "int8" else "int4")
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' Conv1D (GPT-2's projections), as its source defines it: weight [nx, nf],
+    out = x @ weight + bias (transformers is not a test dependency; the compiler and the
+    reference know it by its name and form)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size)
+
+
+class Conv1DLM(torch.nn.Module):
+    """Embedding, one HLA layer whose input and output go through Conv1D projections, a head."""
+
+    def __init__(self, vocab=40, d=32):
+        super().__init__()
+        from hla_tvm.nn import HLAttention
+
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.c_fc, self.c_proj = Conv1D(2 * d, d), Conv1D(d, 2 * d)
+        self.attn = HLAttention(d, 4, chunk_size=16)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch)]
+
+    def forward(self, tokens, state=None):
+        x = self.embed(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        h = x + y
+        h = h + self.c_proj(torch.nn.functional.gelu(self.c_fc(h)))
+        return self.head(h), [st]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_conv1d_weights_are_quantized_in_the_module_and_the_reference(name, tmp_path):
+    """GPT-2's Conv1D projections are packed by the compiler and quantized alike by
+    `dequantized_model` (the reference once left them float32, comparing another model):
+    module and reference agree to float32 noise, and the reference's Conv1D weights changed."""
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.quant.torch_weights import dequantized_model
+
+    torch.manual_seed(0)
+    model = Conv1DLM().eval()
+    sch = scheme(name, 32)
+    ref = dequantized_model(model, sch)
+    assert not torch.equal(ref.c_fc.weight, model.c_fc.weight)
+    path = compile_model(model, out=tmp_path / "m.so", quantize=name, group_size=32)
+    _check_against_pytorch(model, path, sch)
