@@ -176,3 +176,58 @@ def test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products
     linears = len(stored_weights(model))
     assert products("decode") == (linears + 1, 0)   # the layers' products and the head
     assert products("prefill") == (0, linears + 1)
+
+
+@pytest.mark.parametrize("name", [None, "bf16"])
+@pytest.mark.parametrize("k,n,panel", [(24, 16, 16), (64, 96, 32), (768, 256, 128)])
+def test_one_stream_product_matches_float64(name, k, n, panel):
+    """`quant.matvec` (a decode step of one stream, float32 or bf16 weights in panels, with
+    prefetch) against numpy's float64 product of the same weights and activations (bf16:
+    both rounded to bfloat16), one or several panels and steps."""
+    import tvm
+
+    from hla_tvm.quant import matvec
+    from hla_tvm.quant.panels import stored
+    from hla_tvm.quant.scheme import activations, dequantize, quantize, scheme
+    from hla_tvm.target import resolve
+
+    sch = scheme(name) if name else None
+    tgt = resolve("llvm")
+    from hla_tvm.schedule.rules.cpu.matmul_tiles import vector_lanes
+
+    lanes = vector_lanes(tgt)
+    if not matvec.fits(sch, k, n, panel, lanes):
+        pytest.skip(f"a panel of {panel} does not hold whole vectors of {lanes} lanes")
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    if sch is None:
+        q, wd, xa = stored(None, w, panel), w, x
+    else:
+        packed = quantize(sch, w)
+        q, wd, xa = stored(sch, packed["q"], panel), dequantize(sch, packed), activations(sch, x)
+    lib = tvm.compile(tvm.IRModule({"f": matvec.matvec_func(sch, k, n, panel, lanes, "f")}),
+                      target=tgt)
+    out = tvm.runtime.tensor(np.full((1, n), np.nan, np.float32))
+    lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(q), out)
+    want = xa.astype(np.float64) @ wd.astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", [None, "bf16"])
+def test_one_streams_step_takes_the_matvec_and_a_batch_the_tiles(name):
+    """A float32 / bf16 model for a CPU: the one-stream decode entry's products are
+    `quant.matvec` kernels, the batch's decode entry keeps the scheduled products."""
+    from hla_tvm.compiler import prepare, target_entries, to_relax
+    from hla_tvm.models import HLALM
+    from hla_tvm.quant.scheme import scheme
+    from hla_tvm.target import resolve
+
+    model = HLALM(256, 64, 2, 4, chunk_size=16, mlp_hidden=192).eval()
+    target = resolve("llvm")
+    mod = target_entries(to_relax(model, target=target), target)
+    mod = prepare(mod, target, scheme(name)) if name else prepare(mod, target)
+    mod = mod[0] if isinstance(mod, tuple) else mod
+    one, batch = mod["decode_1"].script(), mod["decode"].script()
+    tag = f"{name or 'float32'}_matvec_"
+    assert tag in one and tag not in batch

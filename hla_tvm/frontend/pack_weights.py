@@ -7,7 +7,8 @@ dequantize them where they are used (`quant.kernels`).
 
 A bf16 prefill's products (several rows) go to AMX tiles where the target has them
 (`quant.amx`); an int8 / int4 decode step's (one row a batch entry) to VPDPBUSD where it has
-integer dot products (`quant.vnni`), which stores those weights in quads.
+integer dot products (`quant.vnni`), which stores those weights in quads; a float32 or bf16
+product of one stream's step (one row, static shapes) to `quant.matvec` on CPUs.
 
 with W, E Relax constants (a model's parameters). Every weight is stored once in the [K, N]
 layout a projection reads: an embedding table tied to the output head (one constant, or equal
@@ -42,6 +43,16 @@ def _rows(x):
     if shape is None or len(shape) < 2 or not isinstance(shape[-2], tvm.tirx.IntImm):
         return None
     return int(shape[-2])
+
+
+def _one_row(x):
+    """Whether the activations `x` [.., K] hold one row, every leading axis static 1 (a decode
+    step of one stream)."""
+    import tvm
+
+    shape = getattr(x.ty, "shape", None)
+    return shape is not None and len(shape) >= 2 and all(
+        isinstance(d, tvm.tirx.IntImm) and int(d) == 1 for d in list(shape)[:-1])
 
 
 def weight_operand(expr, lookup):
@@ -87,7 +98,8 @@ def pack_weights(mod, sch, target):
     import tvm
     from tvm import relax
 
-    from ..quant import amx, kernels, vnni
+    from ..quant import amx, kernels, matvec, vnni
+    from ..schedule.rules.cpu.matmul_tiles import vector_lanes
     from ..quant.panels import stored
     from ..quant.scheme import nbytes, quantize
 
@@ -97,7 +109,7 @@ def pack_weights(mod, sch, target):
     # an int8 / int4 decode step's products on integer dot products where the target has them
     vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
     amx_funcs = {}   # (K, N, P) -> the GlobalVar of its kernel
-    vnni_funcs = {}
+    vnni_funcs = {}   # (K, N, P) / ("matvec", K, N, P) -> the GlobalVar of a hand kernel
     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width, in quads) or None
     packed = {}
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
@@ -154,6 +166,10 @@ def pack_weights(mod, sch, target):
                 return self._amx_matmul(data, q, k, n, p)
             if name == "matmul" and quads and _rows(data) == 1:
                 return self._vnni_matmul(data, q, scale, k, n, p)
+            if name == "matmul" and target.kind.name == "llvm" and _one_row(data) and \
+                    (sch is None or sch.name == "bf16") and \
+                    matvec.fits(sch, k, n, p, vector_lanes(target)):
+                return self._matvec(data, q, k, n, p)
 
             def te_fn(arg, qt, *st):
                 s = st[0] if st else None   # (bf16 has no scales)
@@ -183,6 +199,20 @@ def pack_weights(mod, sch, target):
                 amx_funcs[key], [rows, q], [relax.TensorType([m, n], "float32"),
                                             relax.TensorType([padded, k], "uint16")]))
             out = self.builder_.emit(relax.TupleGetItem(res, 0))
+            return relax.op.reshape(out, [*lead, n])
+
+        def _matvec(self, x, q, k, n, p):
+            """x [1, .., 1, K] @ the float32 or bf16 weight `q` in panels of `p`
+            (`quant.matvec`)."""
+            key = ("matvec", k, n, p)
+            if key not in vnni_funcs:
+                fname = f"{sch.name if sch else 'float32'}_matvec_{k}_{n}"
+                vnni_funcs[key] = self.builder_.add_func(
+                    matvec.matvec_func(sch, k, n, p, vector_lanes(target), fname), fname)
+            lead = list(x.ty.shape)[:-1]
+            rows = self.builder_.emit(relax.op.reshape(x, [1, k]))
+            out = self.builder_.emit(relax.call_tir(
+                vnni_funcs[key], [rows, q], relax.TensorType([1, n], "float32")))
             return relax.op.reshape(out, [*lead, n])
 
         def _vnni_matmul(self, x, q, scale, k, n, p):
