@@ -1,5 +1,5 @@
-"""Tensor patterns of real model code around the HLA layers, compiled as PyTorch means them
-(issue 49), each checked against PyTorch eager on the same model or tensors:
+"""Tensor patterns of real model code around the HLA layers, compiled as PyTorch means them,
+each checked against PyTorch eager on the same model or tensors:
   - indexing the time axis from its end (`h[:, -1]`, `h[:, T - 1]`: last-token pooling, a
     token shift), where the frontend's safe `take` once clamped index -1 to row 0;
   - `cumsum` (transformers' `position_ids = attention_mask.cumsum(-1) - 1`) and

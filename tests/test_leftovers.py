@@ -1,5 +1,5 @@
-"""What interrupted commands leave and what the README promises as one-line errors (issue 50,
-the rest): temporaries of a session save killed midway and of a compile stopped by SIGTERM,
+"""What interrupted commands leave and what the README promises as one-line errors:
+temporaries of a session save killed midway and of a compile stopped by SIGTERM,
 swept or removed; a full disk, a prompt id beyond int64, a tokenizer id beyond the
 vocabulary, ONNX files TVM's importer refuses, each one line naming the file; a module whose
 metadata note was edited; float16 outputs beyond float16's range (documented). Kills and

@@ -1,4 +1,4 @@
-"""`hla-tvm serve` against hostile and unlucky clients (issue 50): connections that send half a
+"""`hla-tvm serve` against hostile and unlucky clients: connections that send half a
 request or nothing, heads and bodies over the limits, more connections than the cap, max_tokens
 of 10^9, a streaming client that does not read, error answers outside OpenAI's JSON, two resumes
 of one session at once, SIGTERM with --shutdown-timeout inf, start-up options that cannot work,
