@@ -37,7 +37,7 @@ import statistics
 import torch
 
 from .args import decay as decay_factor, positive
-from .timing import SelfTimed, machine, measure_rounds
+from .timing import SelfTimed, load_notes, machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
 MIXED_SIZE = 1024   # the PyTorch matmul before each call of a mixed case (n x n, float32)
@@ -329,8 +329,6 @@ def _fmt(seconds):
 
 
 def _table(report, out):
-    from ..runtime.pool import OtherLoad
-
     s, m, res = report["shape"], report["machine"], report["results"]
     what = s["op"] if s["decay"] is None else f"{s['op']} decay {s['decay']}"
     size = f"B={s['batch']} H={s['heads']}" + \
@@ -367,15 +365,10 @@ def _table(report, out):
         if "bf16_gemm_gflops" in report:
             line += f"; bfloat16 matmul {report['bf16_gemm_gflops']:.0f} GFLOP/s"
         out(line)
-    others = report.get("other_load_cores")
-    if others is not None and others >= OtherLoad.BUSY:
-        out(f"note: other processes kept {others:.1f} of this machine's CPUs busy while it "
-            "was timed: every case ran slower than on a quiet machine, the ratios may differ")
-    busy = {name: r["busy_runs"] for name, r in res.items() if r.get("busy_runs")}
-    if busy:
-        out("note: " + ", ".join(f"{n} {k} of {res[n]['runs']}" for n, k in busy.items()) +
-            " timed runs started with this process's threads still working after waiting 1 s: "
-            "those times may be high")
+    busy = {name: f"{r['busy_runs']} of {r['runs']}" for name, r in res.items()
+            if r.get("busy_runs")}
+    for note in load_notes(report.get("other_load_cores"), busy):
+        out(note)
     out("(vs tvm: a case's time over tvm's; above 1 means tvm is faster" +
         ("; peak mem: growth of the resident set over one call)" if peak else ")"))
 

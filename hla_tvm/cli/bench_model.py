@@ -18,8 +18,8 @@ timed in one process, in interleaved rounds (each case once per round):
 Decode: tokens/s of batch-B steps; prefill: tokens/s of a T-token prompt from a fresh state,
 logits of every position for every case. Every peer runs with its best thread count as the
 modules do (`pool.Adaptive`): each PyTorch case and ONNX Runtime's decode session is tried with
-one thread and with all, and keeps the faster (`_fastest_threads`; the table's notes say which). Module sizes and the weights' bytes per scheme are
-listed under the table."""
+one thread and with all, and keeps the faster (`_fastest_threads`; the table's notes say
+which). Module sizes and the weights' bytes per scheme are listed under the table."""
 from __future__ import annotations
 
 import json
@@ -325,7 +325,7 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
 
 
 def _table(report, out):
-    from ..runtime.pool import OtherLoad
+    from .timing import load_notes
 
     rows, base = report["results"], report["results"].get("tvm float32")
     out(f"{'case':<18} {'decode tok/s':>13} {'step':>10} {'vs tvm f32':>11} "
@@ -344,14 +344,8 @@ def _table(report, out):
         out("note: " + note)
     if report.get("threads"):
         out("note: peers' fastest thread counts: " + "; ".join(report["threads"]))
-    others = report.get("other_load_cores")
-    if others is not None and others >= OtherLoad.BUSY:
-        out(f"note: other processes kept {others:.1f} of this machine's CPUs busy while it "
-            "was timed: every case ran slower than on a quiet machine, the ratios may differ")
-    if report.get("busy_runs"):
-        out("note: " + ", ".join(f"{n} {k}" for n, k in report["busy_runs"].items()) +
-            " timed runs started with this process's threads still working after waiting 1 s: "
-            "those times may be high")
+    for note in load_notes(report.get("other_load_cores"), report.get("busy_runs")):
+        out(note)
     m = report["machine"]
     out(f"({m['cpu']}, {m['cores']} cores, {m['isa']}; {report['date']}; fastest of "
         f"{report['rounds']} rounds; 'vs tvm f32': tvm float32's time over this case's, above 1 "

@@ -64,6 +64,24 @@ def measure_rounds(cases, runs, number=1, probe=None, busy=None):
     return times
 
 
+def load_notes(others, busy):
+    """The table's notes on a busy machine: `others` (cores other processes kept busy while it
+    was timed, `pool.OtherLoad.cores`), `busy` ({case: "k" or "k of n" runs that started before
+    this process's threads went idle, `measure_rounds`})."""
+    from ..runtime.pool import OtherLoad
+
+    out = []
+    if others is not None and others >= OtherLoad.BUSY:
+        out.append(f"note: other processes kept {others:.1f} of this machine's CPUs busy while "
+                   "it was timed: every case ran slower than on a quiet machine, the ratios may "
+                   "differ")
+    if busy:
+        out.append("note: " + ", ".join(f"{n} {k}" for n, k in busy.items()) +
+                   " timed runs started with this process's threads still working after "
+                   "waiting 1 s: those times may be high")
+    return out
+
+
 def machine():
     """{cpu, cores, isa} of this machine."""
     from ..runtime import physical_cores

@@ -108,8 +108,7 @@ def pack_weights(mod, sch, target):
     amx_ok = sch is not None and sch.name == "bf16" and amx.available(target)
     # an int8 / int4 decode step's products on integer dot products where the target has them
     vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
-    amx_funcs = {}   # (K, N, P) -> the GlobalVar of its kernel
-    vnni_funcs = {}   # (K, N, P) / ("matvec", K, N, P) -> the GlobalVar of a hand kernel
+    hand_funcs = {}   # name -> the GlobalVar of a hand-written kernel (amx, vnni, matvec)
     # sha256 of a [K, N] weight's bytes -> (q const, scale const, width, in quads) or None
     packed = {}
     report = {"packed": 0, "kept": [], "bytes": 0, "float_bytes": 0}
@@ -182,55 +181,46 @@ def pack_weights(mod, sch, target):
                                          primfunc_name_hint=f"{sch.name}_{name}" if sch else
                                          f"stored_{name}")
 
-        def _amx_matmul(self, x, q, k, n, p):
-            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) on AMX tiles
-            (`quant.amx`): x as [M, K] rows, the kernel's bf16 copy of them a scratch output."""
+        def _hand_kernel(self, fname, make, x, args, k, n, scratch=None):
+            """x [.., K] @ a stored weight through the scheduled PrimFunc `make(fname)` (added
+            once a name), called on x as [M, K] rows and `args` (the weight's constants),
+            out [M, N] float32 (and a `scratch(m)` output where given), reshaped back."""
             from tvm import tirx
 
+            if fname not in hand_funcs:
+                hand_funcs[fname] = self.builder_.add_func(make(fname), fname)
             lead = list(x.ty.shape)[:-1]
             m = functools.reduce(lambda a, b: a * b, lead, tirx.IntImm("int64", 1))
-            key = (k, n, p)
-            if key not in amx_funcs:
-                fname = f"amx_bf16_matmul_{k}_{n}"
-                amx_funcs[key] = self.builder_.add_func(amx.matmul_func(k, n, p, fname), fname)
             rows = self.builder_.emit(relax.op.reshape(x, [m, k]))
-            padded = (m + amx.ROWS - 1) // amx.ROWS * amx.ROWS
-            res = self.builder_.emit(relax.call_tir(
-                amx_funcs[key], [rows, q], [relax.TensorType([m, n], "float32"),
-                                            relax.TensorType([padded, k], "uint16")]))
-            out = self.builder_.emit(relax.TupleGetItem(res, 0))
+            out_ty = relax.TensorType([m, n], "float32")
+            out = self.builder_.emit(relax.call_tir(
+                hand_funcs[fname], [rows, *args],
+                out_ty if scratch is None else [out_ty, scratch(m)]))
+            if scratch is not None:
+                out = self.builder_.emit(relax.TupleGetItem(out, 0))
             return relax.op.reshape(out, [*lead, n])
+
+        def _amx_matmul(self, x, q, k, n, p):
+            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) on AMX tiles
+            (`quant.amx`), the kernel's bf16 copy of the rows a scratch output."""
+            return self._hand_kernel(
+                f"amx_bf16_matmul_{k}_{n}", lambda f: amx.matmul_func(k, n, p, f), x, [q], k, n,
+                scratch=lambda m: relax.TensorType(
+                    [(m + amx.ROWS - 1) // amx.ROWS * amx.ROWS, k], "uint16"))
 
         def _matvec(self, x, q, k, n, p):
             """x [1, .., 1, K] @ the float32 or bf16 weight `q` in panels of `p`
             (`quant.matvec`)."""
-            key = ("matvec", k, n, p)
-            if key not in vnni_funcs:
-                fname = f"{sch.name if sch else 'float32'}_matvec_{k}_{n}"
-                vnni_funcs[key] = self.builder_.add_func(
-                    matvec.matvec_func(sch, k, n, p, vector_lanes(target), fname), fname)
-            lead = list(x.ty.shape)[:-1]
-            rows = self.builder_.emit(relax.op.reshape(x, [1, k]))
-            out = self.builder_.emit(relax.call_tir(
-                vnni_funcs[key], [rows, q], relax.TensorType([1, n], "float32")))
-            return relax.op.reshape(out, [*lead, n])
+            return self._hand_kernel(
+                f"{sch.name if sch else 'float32'}_matvec_{k}_{n}",
+                lambda f: matvec.matvec_func(sch, k, n, p, vector_lanes(target), f), x, [q], k, n)
 
         def _vnni_matmul(self, x, q, scale, k, n, p):
             """x [.., 1, K] @ the int8 / int4 weight `q` (quads in panels of `p`) on integer
-            dot products (`quant.vnni`): x as [M, K] rows."""
-            from tvm import tirx
-
-            lead = list(x.ty.shape)[:-1]
-            m = functools.reduce(lambda a, b: a * b, lead, tirx.IntImm("int64", 1))
-            key = (k, n, p)
-            if key not in vnni_funcs:
-                fname = f"vnni_{sch.name}_matvec_{k}_{n}"
-                vnni_funcs[key] = self.builder_.add_func(
-                    vnni.matvec_func(sch, k, n, p, vnni_lanes, fname), fname)
-            rows = self.builder_.emit(relax.op.reshape(x, [m, k]))
-            out = self.builder_.emit(relax.call_tir(
-                vnni_funcs[key], [rows, q, scale], relax.TensorType([m, n], "float32")))
-            return relax.op.reshape(out, [*lead, n])
+            dot products (`quant.vnni`)."""
+            return self._hand_kernel(
+                f"vnni_{sch.name}_matvec_{k}_{n}",
+                lambda f: vnni.matvec_func(sch, k, n, p, vnni_lanes, f), x, [q, scale], k, n)
 
         def visit_call_(self, call):
             call = super().visit_call_(call)

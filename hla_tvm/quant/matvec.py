@@ -20,6 +20,16 @@ PREFETCH = 8192   # bytes of weights ahead of the step being summed that it asks
 STEP = 4          # weight rows (bf16: row pairs) a step
 
 
+def prefetch(flat, index, last):
+    """The TIR call asking the cache for element `index` of the flat buffer `flat` (clamped to
+    its last element `last`: a prefetch past a weight's end reads nothing of use)."""
+    from tvm.script import tirx as T
+
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0",
+                              T.address_of(flat[T.min(index, last)]),
+                              T.uint32(0), T.uint32(3), T.uint32(1))   # read, keep, data
+
+
 def fits(sch, k, n, panel, lanes):
     """Whether the float32 (`sch` None) or bf16 weight [K = `k`, N = `n`] in panels of `panel`
     columns takes the kernel: K in whole steps, the panel in whole vectors of `lanes`."""
@@ -74,10 +84,8 @@ def matvec_func(sch, k, n, panel, lanes, name="matvec"):
                 sums[c] = T.float32(0)
             for ko in range(rows // STEP):
                 for line in T.unroll(lines):
-                    T.evaluate(T.call_llvm_intrin(
-                        "void", "llvm.prefetch.p0", T.address_of(qf[T.min(
-                            (jb * rows + ko * STEP) * p + ahead + line * 16, total - 1)]),
-                        T.uint32(0), T.uint32(3), T.uint32(1)))
+                    T.evaluate(prefetch(qf, (jb * rows + ko * STEP) * p + ahead + line * 16,
+                                        total - 1))
                 for ki in T.unroll(STEP):
                     for v in T.unroll(p // lw):
                         if bf16:

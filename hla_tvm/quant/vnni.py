@@ -20,7 +20,8 @@ VPDPBUSD's unsigned operand (int8: one row each; int4: two nibbles each, rows 8r
 8r + 4 + j high). Loops (`matvec_func`, symbolic M): the rows' digits first (serial), then for
 each panel of P columns (parallel), each row: the blocks of K, each in parts of at most 4
 vectors of columns (3 x 4 int32 sums and the P float32 sums in registers), each block asking
-the cache for the weights PREFETCH bytes ahead. A row holding a NaN or an infinity gives NaN.
+the cache for the weights `matvec.PREFETCH` bytes ahead. A row holding a NaN or an infinity
+gives NaN.
 
 Measured on the Xeon VM (2 cores, 2026-12-07), 768 x 6144 (the 120 M preset's gate and up
 projection), weights cold as in a decode step: int8 106-149 us (float path, `kernels.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
 DIGITS, RADIX = 3, 254
-PREFETCH = 8192   # bytes of weights ahead of the block being summed that it asks the cache for
 OFFSET = {"int8": 128, "int4": 8}
 FEATURES = {16: "avx512vnni", 8: "avxvnni"}   # int32 lanes -> the feature giving VPDPBUSD
 INTRINSIC = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
@@ -75,6 +75,8 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
     out [M, N] float32), M symbolic, computing out as the module docstring says (the rows'
     digits in a workspace of its own); scheduled already."""
     from tvm.script import tirx as T
+
+    from .matvec import PREFETCH, prefetch
 
     assert fits(sch, k, n, panel, width), (sch, k, n, panel, width)
     int4 = sch.name == "int4"
@@ -151,11 +153,9 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
                     sums[c] = T.float32(0)
                 for b in range(blocks):
                     for line in T.unroll(block_words * p // 16):
-                        T.evaluate(T.call_llvm_intrin(
-                            "void", "llvm.prefetch.p0", T.address_of(qf[T.min(
-                                (jb * words + (b + ahead) * block_words) * p + line * 16,
-                                n // p * words * p - 1)]),
-                            T.uint32(0), T.uint32(3), T.uint32(1)))
+                        T.evaluate(prefetch(
+                            qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
+                            n // p * words * p - 1))
                     for h in T.unroll(parts):
                         for d, v in T.grid(DIGITS, part):
                             acc[T.ramp(d * span + v * lw, 1, lw)] = T.broadcast(off[r, d, b], lw)
