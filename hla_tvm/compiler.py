@@ -94,6 +94,8 @@ def to_relax(model, *, max_batch=None, target=None):
     st = flatten_state(model.init_state(rows))
     state_dims = tuple(_dims({0: batch}) for _ in st)
     mods = {}
+    with torch.no_grad():
+        check_fixed_state(model, layout, st)
     with torch.no_grad(), chunks_for(target):
         ep, skips = export_prefill(
             Prefill(model, layout), (torch.zeros(rows, 8, dtype=torch.int64), *st),
@@ -106,6 +108,30 @@ def to_relax(model, *, max_batch=None, target=None):
             dynamic_shapes=(_dims({0: batch}), state_dims))
         mods["decode"] = import_exported(ep)
     return merge_entries(mods)
+
+
+def check_fixed_state(model, layout, flat):
+    """ValueError in one line, naming the entry, where `model`'s state after two tokens
+    differs in names, shape or dtype from its `init_state` (`flat`, for `layout`): compiled
+    modules keep each stream's state in fixed-size buffers, so a KV cache that grows (torch.cat
+    onto the state) cannot be compiled; a fixed-size cache with a position counter can
+    (`hla_tvm.nn.SoftmaxAttention`)."""
+    tokens = torch.zeros(flat[0].shape[0] if flat else 1, 2, dtype=torch.int64)
+    _, out = model(tokens, unflatten_state(flat, layout))
+    got = [tuple(layer) if isinstance(layer, dict) else type(layer).__name__
+           for layer in (out if isinstance(out, (list, tuple)) else [out])]
+    if got != layout:
+        raise ValueError(f"the model's state must keep its layers and names from step to step: "
+                         f"init_state gives {layout}, forward returns {got}")
+    names = [f"layer{i}.{n}" for i, layer in enumerate(layout) for n in layer]
+    for name, before, after in zip(names, flat, flatten_state(out)):
+        if tuple(before.shape) != tuple(after.shape) or before.dtype != after.dtype:
+            raise ValueError(
+                f"state entry {name} must keep its shape and dtype from step to step (compiled "
+                f"modules hold each stream's state in fixed-size buffers): init_state gives "
+                f"{list(before.shape)} {before.dtype}, after 2 tokens it is {list(after.shape)} "
+                f"{after.dtype}; a KV cache that grows must be a fixed-size buffer with a "
+                f"position counter (hla_tvm.nn.SoftmaxAttention keeps one)")
 
 
 PREFILL_SKIPS = "hla_tvm.prefill_skips"   # the prefill function's lengths it must not take
@@ -237,24 +263,27 @@ def merge_entries(mods):
 def prepare(mod, target, quantize=None):
     """The Relax module of `to_relax` (or the ONNX importer) in the form whose functions are
     scheduled: embedding lookups clamped (`safe_take`), one-sided integer clamps bounded
-    (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), projection scales next to
+    (`int_clip`), RMSNorms as one operator each (`fused_rms_norm`), the other small whole
+    powers as products (`int_power`, after the norms it would hide), projection scales next to
     their products (`scale_epilogue`), the products of one input with several weights one
     product (`parallel_products`), the weights stored as the kernels read them
-    (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), then
-    `legalize`d, the functions only a prefill runs marked (`prefill_rows`). Returns the
+    (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), slices
+    that provably lie within their input marked so (`inbound_slices`), then `legalize`d, the functions only a prefill runs marked (`prefill_rows`). Returns the
     module, or (module, the packing's report) when `quantize` is given."""
     from .frontend.fused_rms_norm import fused_rms_norm
+    from .frontend.inbound_slices import inbound_slices
     from .frontend.int_clip import int_clip
+    from .frontend.int_power import int_power
     from .frontend.pack_weights import pack_weights
     from .frontend.parallel_products import parallel_products
     from .frontend.prefill_rows import mark_prefill_kernels
     from .frontend.safe_take import safe_take
     from .frontend.scale_epilogue import scale_epilogue
 
-    mod = scale_epilogue(fused_rms_norm(int_clip(safe_take(mod))))
+    mod = scale_epilogue(int_power(fused_rms_norm(int_clip(safe_take(mod)))))
     mod = parallel_products(mod)
     mod, report = pack_weights(mod, quantize, target)
-    mod = mark_prefill_kernels(legalize(mod, target))
+    mod = mark_prefill_kernels(legalize(inbound_slices(mod), target))
     return mod if quantize is None else (mod, report)
 
 

@@ -90,7 +90,7 @@ def _module_info(path, meta):
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
     from ..bundle import elf_machine
-    from ..runtime.model import weights_summary
+    from ..runtime.model import state_bytes, weights_summary
 
     host = elf_machine(path)
     lines.append("runs on: " + (f"an NVIDIA GPU, from an {host} host (load with device='cuda', "
@@ -100,9 +100,10 @@ def _module_info(path, meta):
         lines.append("CPU features: " + " ".join(meta["cpu_features"]))
     lines.append(f"entries: {', '.join(meta.get('entries', ('prefill', 'decode')))}; "
                  f"max batch: {meta.get('max_batch') or 'any'}")
-    lines.append(f"state: {len(meta.get('state', []))} entries, " + ", ".join(
-        f"{n} {'x'.join(map(str, s))}" for n, s, _ in meta.get("state", [])[:4])
-        + (" ..." if len(meta.get("state", [])) > 4 else ""))
+    spec = meta.get("state", [])
+    lines.append(f"state: {state_bytes(spec) / 1e3:.1f} KB a stream in {len(spec)} entries, "
+                 + ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s, _ in spec[:4])
+                 + (" ..." if len(spec) > 4 else ""))
     from ..runtime.text import TOKENIZER
 
     lines.append("text: " + ("a tokenizer (tokenizer.json kept in the module)"

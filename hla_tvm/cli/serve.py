@@ -209,10 +209,9 @@ def connection_cap(wanted):
 def check_pool_memory(model, streams):
     """Refuse (ValueError) --max-streams whose state pool is larger than this machine's
     memory."""
-    import numpy as np
+    from ..runtime.model import state_bytes
 
-    per = sum(int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
-              for _, shape, dtype in model.state_spec)
+    per = state_bytes(model.state_spec)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -11,7 +11,7 @@ import zipfile
 import torch
 from torch import nn
 
-from ..nn import HLAttention, RMSNorm, SwiGLU
+from ..nn import HLAttention, RMSNorm, SoftmaxAttention, SwiGLU
 from ..nn.layers import decay_values
 
 CHECKPOINT_FORMAT = "hla_tvm.HLALM/1"
@@ -20,12 +20,12 @@ VOCAB_KINDS = (None, "bytes")
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); attn an HLAttention or a SoftmaxAttention."""
 
-    def __init__(self, d_model, n_heads, mlp_hidden, **attn):
+    def __init__(self, d_model, mlp_hidden, attn):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
-        self.attn = HLAttention(d_model, n_heads, **attn)
+        self.attn = attn
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, mlp_hidden)
 
@@ -33,6 +33,20 @@ class Block(nn.Module):
         h, state = self.attn(self.attn_norm(x), state)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state
+
+
+def _softmax_layers(layers, n_layers):
+    """`layers` (indices of the softmax layers) as a sorted tuple, checked against n_layers."""
+    if layers is None:
+        return ()
+    if isinstance(layers, (int, str)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ValueError(f"softmax_layers must be a sequence of layer indices, got {layers!r}")
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad or len(set(layers)) != len(layers):
+        raise ValueError(f"softmax_layers must hold distinct layer indices in [0, {n_layers}), "
+                         f"got {list(layers)}")
+    return tuple(sorted(layers))
 
 
 def _decay_config(decay):
@@ -50,13 +64,20 @@ class HLALM(nn.Module):
     final norm, tied or untied output head.
 
     forward(tokens [B, T] int64, state=None) -> (logits [B, T, vocab], state), state being a list
-    with every layer's HLA state dict (None: a fresh sequence). vocab="bytes" records that token
-    ids are byte values (UTF-8 text; vocab_size 256), so tools turn text into tokens and back."""
+    with every layer's state dict (None: a fresh sequence). vocab="bytes" records that token
+    ids are byte values (UTF-8 text; vocab_size 256), so tools turn text into tokens and back.
+
+    A hybrid: the layers listed in `softmax_layers` (indices) are `SoftmaxAttention` instead,
+    with rotary positions (`rope_theta`) and a fixed-size key/value cache of `max_len` tokens
+    in their state (each query sees at most the last max_len tokens), the same heads, grouped
+    key/value heads and head size as the HLA layers."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, *, order=2, asymmetric=False,
                  head_dim=None, n_kv_heads=None, decay=None, normalize=False, masked=True,
-                 mlp_hidden=None, tie_embeddings=True, chunk_size=64, vocab=None):
+                 mlp_hidden=None, tie_embeddings=True, chunk_size=64, vocab=None,
+                 softmax_layers=(), max_len=2048, rope_theta=10000.0):
         super().__init__()
+        softmax_layers = _softmax_layers(softmax_layers, n_layers)
         if vocab not in VOCAB_KINDS:
             raise ValueError(f"vocab must be one of {VOCAB_KINDS}, got {vocab!r}")
         if vocab == "bytes" and vocab_size != 256:
@@ -69,12 +90,21 @@ class HLALM(nn.Module):
                            tie_embeddings=tie_embeddings, chunk_size=chunk_size)
         if vocab is not None:   # (absent otherwise: older checkpoints keep their digest)
             self.config["vocab"] = vocab
+        if softmax_layers:      # (likewise)
+            self.config.update(softmax_layers=list(softmax_layers), max_len=max_len,
+                               rope_theta=None if rope_theta is None else float(rope_theta))
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_hidden or 4 * d_model, head_dim=head_dim,
-                  n_kv_heads=n_kv_heads, order=order, asymmetric=asymmetric, masked=masked,
-                  decay=decay, normalize=normalize, chunk_size=chunk_size)
-            for _ in range(n_layers))
+
+        def attention(i):
+            if i in softmax_layers:
+                return SoftmaxAttention(d_model, n_heads, max_len=max_len, head_dim=head_dim,
+                                        n_kv_heads=n_kv_heads, rope_theta=rope_theta)
+            return HLAttention(d_model, n_heads, head_dim=head_dim, n_kv_heads=n_kv_heads,
+                               order=order, asymmetric=asymmetric, masked=masked, decay=decay,
+                               normalize=normalize, chunk_size=chunk_size)
+
+        self.blocks = nn.ModuleList(Block(d_model, mlp_hidden or 4 * d_model, attention(i))
+                                    for i in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
 
@@ -162,7 +192,8 @@ CONFIG_KEYS = {
     "decay": ((float, int, list, type(None)), False), "normalize": ((bool,), False),
     "masked": ((bool,), False), "mlp_hidden": ((int, type(None)), False),
     "tie_embeddings": ((bool,), False), "chunk_size": ((int,), False),
-    "vocab": ((str, type(None)), False),
+    "vocab": ((str, type(None)), False), "softmax_layers": ((list,), False),
+    "max_len": ((int,), False), "rope_theta": ((float, int, type(None)), False),
 }
 
 

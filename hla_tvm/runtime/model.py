@@ -106,6 +106,13 @@ def weights_summary(meta):
             + (f", {len(kept)} kept float32 (K not a multiple of the group)" if kept else ""))
 
 
+def state_bytes(spec):
+    """The bytes of one stream's state for a module's state layout (`meta["state"]`: [(name,
+    shape without the batch, dtype)]), HLA summaries, key/value caches and counters alike."""
+    return sum(int(np.prod(shape, dtype=np.float64)) * np.dtype(dtype).itemsize
+               for _, shape, dtype in spec)
+
+
 def load(path, device="cpu", threads=None):
     """The compiled model at `path` on `device`: "cpu" for a module compiled for a CPU target,
     "cuda" or "cuda:N" for one compiled for a CUDA target (the state then lives on that GPU);

@@ -9,7 +9,8 @@ dlight's CPU GEMV/Reduction rules do not take:
     B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
     the reduction runs between them, so each thread streams rows of B into a row of C.
 A function without a root block (TVM's legalizer emits cumsum and scatter_elements as one opaque
-block of loops, parallel where it chose) or one a primitive refuses is left as it is."""
+block of loops, parallel where it chose) or one a primitive refuses is left as it is; loops whose
+symbolic extents TVM cannot fuse (a product of two sizes) run the first of them in parallel."""
 from __future__ import annotations
 
 from tvm import s_tir
@@ -36,7 +37,7 @@ class ParallelFallback(dl.ScheduleRule):
         primitive refuses."""
         try:
             return self._schedule(s_tir.Schedule(func))
-        except s_tir.ScheduleError:
+        except (s_tir.ScheduleError, RuntimeError):   # (TVM's internal errors are RuntimeErrors)
             return None
 
     def _schedule(self, sch):
@@ -73,7 +74,7 @@ class ParallelFallback(dl.ScheduleRule):
             sch.vectorize(inner)
             spatial = spatial[:-1] + [outer]
         if work >= PARALLEL_MIN:
-            sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+            _parallel(sch, spatial)
 
     @staticmethod
     def _reduction(sch, block, spatial, reduce_):
@@ -81,14 +82,27 @@ class ParallelFallback(dl.ScheduleRule):
         if not ext or ext % VECTOR:
             lead = spatial  # e.g. a row reduction: parallel rows, serial reduction
             sch.reorder(*spatial, *reduce_)
-            sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+            _parallel(sch, lead)
             return
         row = ROW if ext % ROW == 0 else VECTOR
         outer, inner = sch.split(spatial[-1], factors=[None, row])
         lead = spatial[:-1] + [outer]
         sch.reorder(*lead, *reduce_, inner)
         sch.vectorize(inner)
-        sch.parallel(sch.fuse(*lead) if len(lead) > 1 else lead[0])
+        _parallel(sch, lead)
         if sch.get(block).init is not None:
             sch.decompose_reduction(block, reduce_[0])
 
+
+
+def _parallel(sch, loops):
+    """`loops` (adjacent, outermost first) fused into one parallel loop; where TVM cannot fuse
+    them (symbolic extents whose product it cannot split again: an InternalError from its
+    iterator maps), the first alone runs in parallel."""
+    if len(loops) > 1:
+        try:
+            sch.parallel(sch.fuse(*loops))
+            return
+        except RuntimeError:
+            pass
+    sch.parallel(loops[0])
