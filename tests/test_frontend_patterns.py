@@ -109,6 +109,21 @@ class ShiftLM(_Tiny):
         return self.head(h + 0.5 * shifted), [st, {"prev": h[:, -1]}]
 
 
+class PadShiftLM(ShiftLM):
+    """The same token shift written with F.pad, as Mamba's and many hybrids' causal mixes are:
+    `F.pad(h, (0, 0, 1, 0))[:, :T]`, its first row then taken from the state."""
+
+    def forward(self, tokens, state=None):
+        x = self.inputs(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        h = x + y
+        prev = torch.zeros(h.shape[0], D) if state is None else state[1]["prev"]
+        shifted = torch.nn.functional.pad(h, (0, 0, 1, 0))[:, :h.shape[1]]
+        first = (torch.arange(h.shape[1]) == 0)[None, :, None]
+        shifted = torch.where(first, prev[:, None], shifted)
+        return self.head(h + 0.5 * shifted), [st, {"prev": h[:, -1]}]
+
+
 class LastSliceLM(_Tiny):
     """The last row as a one-row slice, `h + h[:, -1:]`."""
 
@@ -124,7 +139,8 @@ class LengthBranchLM(_Tiny):
 
 
 MODELS = {"negative": lambda: LastRowLM("negative"), "symbolic": lambda: LastRowLM("symbolic"),
-          "cumsum": CumsumLM, "scatter": ScatterLM, "shift": ShiftLM, "last_slice": LastSliceLM}
+          "cumsum": CumsumLM, "scatter": ScatterLM, "shift": ShiftLM, "pad_shift": PadShiftLM,
+          "last_slice": LastSliceLM}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +212,13 @@ def test_token_shift_matches_pytorch_at_every_length(compiled_pattern):
     model, m = compiled_pattern("shift")
     assert m.meta["prefill_skips"] == [2]
     _check_prefill_and_decode(model, m, lengths=(2, 3, 5, 13))
+
+
+def test_a_token_shift_through_pad_matches_pytorch(compiled_pattern):
+    """`F.pad(h, (0, 0, 1, 0))[:, :T]` (once refused by TVM's importer: `prim.if_then_else`
+    had no type rule) compiles and matches PyTorch at every length and in decode."""
+    model, m = compiled_pattern("pad_shift")
+    _check_prefill_and_decode(model, m, lengths=(1, 2, 3, 5, 13))
 
 
 def test_a_one_row_slice_of_the_time_axis_matches_pytorch(compiled_pattern):
@@ -385,3 +408,27 @@ def test_rules_leave_kernels_without_a_root_block():
         want = [torch.cumsum(x, 1), torch.cumsum(ids, 1), x.scatter(2, idx, x)]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_small_whole_powers_become_products():
+    """torch.pow(x, 3.0) (GELU-new), x ** 2 and x ** 4 become products of x (TVM's `pow`
+    warned on every kernel with an exponent of 3 or more); x ** 2.5 stays a power; the
+    compiled function equals PyTorch, negative x included."""
+    import tvm
+    from tvm import relax
+
+    from hla_tvm.frontend.int_power import int_power
+    from hla_tvm.frontend.torch_export import import_exported
+
+    class Powers(nn.Module):
+        def forward(self, x):
+            return torch.pow(x, 3.0) + x ** 2 + x ** 4 + x.abs() ** 2.5
+
+    x = torch.randn(4, 16)
+    mod = int_power(import_exported(torch.export.export(Powers(), (x,))))
+    text = mod.script()
+    assert text.count("R.power") == 1 and 'R.const(2.5' in text
+    ex = relax.build(mod, target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x.numpy()))[0].numpy()
+    np.testing.assert_allclose(got, Powers()(x).numpy(), rtol=1e-5, atol=1e-5)
