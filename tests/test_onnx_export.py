@@ -149,3 +149,65 @@ def test_prefill_from_state_is_an_export_option(tmp_path):
         _, st = m.prefill(first, m.init_state(2))
         logits, _ = m.prefill(second, st)
         assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+
+
+def test_hybrid_with_positions_on_onnx_runtime(tmp_path):
+    """A hybrid HLALM (a softmax layer whose key/value cache and int64 position counter are
+    state entries) exported with its state: ONNX Runtime continues a state and decodes as
+    PyTorch. (TVM's ONNX importer loses the shapes of its cache update: compile the model
+    itself, `hla_tvm.compile`, tests/test_hybrid.py.)"""
+    torch.manual_seed(5)
+    model = HLALM(VOCAB, 32, 2, 4, chunk_size=16, softmax_layers=[0], max_len=8).eval()
+    cont, step = tmp_path / "cont.onnx", tmp_path / "step.onnx"
+    hla_onnx.export(model, cont, from_state=True)
+    hla_onnx.export(model, step, decode=True)
+    rng = np.random.default_rng(6)
+    first, second = rng.integers(0, VOCAB, (2, 5)), rng.integers(0, VOCAB, (2, 6))
+    _, st = _torch(model, first)
+    flat = [x.numpy() for layer in st for x in layer.values()]
+    ref, st = _torch(model, second, st)
+    logits, *state = _feed(hla_onnx.session(cont), second, flat)
+    assert rel_err(torch.from_numpy(logits), ref) <= 1e-4
+    tok = rng.integers(0, VOCAB, (2,))
+    logits, *_ = _feed(hla_onnx.session(step), tok, state)
+    want, _ = _torch(model, tok[:, None], st)
+    assert rel_err(torch.from_numpy(logits), want[:, 0]) <= 1e-4
+
+
+class PositionsLM(torch.nn.Module):
+    """Learned positions, the next one an int64 state entry of the model's own."""
+
+    def __init__(self):
+        super().__init__()
+        from hla_tvm.nn import HLAttention
+
+        self.emb, self.pos = torch.nn.Embedding(VOCAB, 16), torch.nn.Embedding(8, 16)
+        self.attn, self.head = HLAttention(16, 2, chunk_size=16), torch.nn.Linear(16, VOCAB)
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch), {"position": torch.zeros(batch, dtype=torch.int64)}]
+
+    def forward(self, tokens, state=None):
+        start = torch.zeros(tokens.shape[0], dtype=torch.int64) if state is None else \
+            state[1]["position"]
+        x = self.emb(tokens) + self.pos((start[:, None] + torch.arange(tokens.shape[1])) % 8)
+        y, st = self.attn(x, None if state is None else state[0])
+        return self.head(x + y), [st, {"position": start + tokens.shape[1]}]
+
+
+def test_int64_state_entries_are_part_of_the_signature(tmp_path):
+    """A position counter (int64 [B]) is a state entry like the float32 ones for
+    `hla_onnx.compile`'s reader of the graph's interface (it refused all but float32). TVM's
+    ONNX importer itself then refuses the size arithmetic torch writes for positions
+    (`Squeeze(Shape(tokens)[1:2])`) in one line naming the node: compile such a model with
+    `hla_tvm.compile`."""
+    from hla_tvm.onnx.importer import lm_signature
+
+    torch.manual_seed(7)
+    path = tmp_path / "pos.onnx"
+    hla_onnx.export(PositionsLM().eval(), path, from_state=True)
+    sig = lm_signature(onnx.load(path))
+    assert sig["entry"] == "prefill"
+    assert [(s, d) for _, s, d in sig["state"]][-1] == ([], "int64")
+    with pytest.raises(ValueError, match=r"at a Squeeze node"):
+        hla_onnx.compile(path, out=tmp_path / "pos.so")

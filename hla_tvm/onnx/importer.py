@@ -187,10 +187,14 @@ def _graph_inputs(model):
     return [i for i in model.graph.input if i.name not in inits]
 
 
+# the state entries' element types a module keeps (HLA summaries, caches; position counters)
+STATE_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+
+
 def lm_signature(model):
     """The language-model interface of an ONNX graph, as `hla_tvm.onnx.export` writes it:
     inputs tokens (int64 [B, T] for prefill or [B] for decode) then the state entries
-    (float32 [B, ...] with static trailing dims); outputs logits then the new state, one per
+    (float32 or int64 [B, ...] with static trailing dims); outputs logits then the new state, one per
     state input. Returns dict(entry, state=[(name, shape, dtype)], vocab_size, config)."""
     g = model.graph
     inputs = _graph_inputs(model)
@@ -208,11 +212,12 @@ def lm_signature(model):
     state = []
     for vi in inputs[1:]:
         d = dims(vi)
-        if vi.type.tensor_type.elem_type != onnx.TensorProto.FLOAT or len(d) < 2 or \
-                any(x is None for x in d[1:]):
-            raise ValueError(f"graph input {vi.name!r}: state inputs must be float32 [B, ...] "
-                             f"with static trailing dims, got {d}")
-        state.append((vi.name, d[1:], "float32"))
+        dtype = STATE_DTYPES.get(vi.type.tensor_type.elem_type)
+        if dtype is None or not d or any(x is None for x in d[1:]):
+            kind = onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)
+            raise ValueError(f"graph input {vi.name!r}: state inputs must be float32 or int64 "
+                             f"[B, ...] with static trailing dims, got {kind} {d}")
+        state.append((vi.name, d[1:], dtype))
     if len(g.output) != 1 + len(state):
         raise ValueError(f"the graph must return logits and one new state per state input "
                          f"({1 + len(state)} outputs), got {len(g.output)}")
