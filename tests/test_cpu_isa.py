@@ -1,7 +1,7 @@
 """The x86 CPU's own features: the host target built from what the CPU reports (not only from its
-model's name), the features a module records and its loader checks, and the products on AMX
-tiles (`quant.amx`, bf16 modules), checked against float64 where this CPU has AMX (skipped with
-the reason elsewhere)."""
+model's name), the features a module records and its loader checks, and the bf16 modules'
+prefill products on AMX tiles (`quant.amx`) or VDPBF16PS (`quant.dpbf16`), checked against
+float64 where this CPU has them (skipped with the reason elsewhere)."""
 import numpy as np
 import pytest
 import torch
@@ -17,6 +17,9 @@ def _has_amx():
 
 needs_amx = pytest.mark.skipif(not _has_amx(), reason="this CPU has no AMX-BF16 "
                                "(grep amx_bf16 /proc/cpuinfo)")
+needs_bf16 = pytest.mark.skipif(
+    not {"avx512bf16", "avx512f"} <= (cpu_features.host_features() or set()),
+    reason="this CPU has no AVX512-BF16 (grep avx512_bf16 /proc/cpuinfo)")
 
 
 def test_host_target_has_exactly_the_features_the_cpu_reports():
@@ -80,16 +83,12 @@ def _bf16(a):
     return activations(scheme("bf16"), a).astype(np.float64)
 
 
-@needs_amx
-@pytest.mark.parametrize("m", [1, 31, 32, 77])
-@pytest.mark.parametrize("k,n,panel", [(32, 32, 32), (96, 128, 64), (64, 256, 128)])
-def test_amx_product_matches_float64(m, k, n, panel):
-    """out = bf16(x) @ W on AMX tiles for row counts below, at and past one 32-row block, K of
-    one or several steps, one or several column blocks and panels: against numpy's float64
-    product of the same bfloat16 values (exact products, float32 sums: 1e-6)."""
+def _bf16_blocks_check(kind, m, k, n, panel):
+    """out = bf16(x) @ W through the output blocks of `kind` (`quant.amx`, `quant.dpbf16`)
+    against numpy's float64 product of the same bfloat16 values (exact products, float32 sums:
+    1e-6)."""
     import tvm
 
-    from hla_tvm.quant import amx
     from hla_tvm.quant.panels import stored
     from hla_tvm.quant.scheme import dequantize, quantize, scheme
     from hla_tvm.target import host_target
@@ -98,14 +97,37 @@ def test_amx_product_matches_float64(m, k, n, panel):
     rng = np.random.default_rng(m + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     packed = quantize(sch, rng.standard_normal((k, n)).astype(np.float32))
-    lib = tvm.compile(tvm.IRModule({"f": amx.matmul_func(k, n, panel, "f")}),
+    lib = tvm.compile(tvm.IRModule({"f": kind.matmul_func(k, n, panel, "f")}),
                       target=host_target())
     out = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
-    scratch = tvm.runtime.tensor(np.zeros(((m + 31) // 32 * 32, k), np.uint16))
+    rows = (m + kind.ROWS - 1) // kind.ROWS * kind.ROWS
+    scratch = tvm.runtime.tensor(np.zeros((rows, k), np.uint16))
     lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(stored(sch, packed["q"], panel)), out,
              scratch)
     want = _bf16(x) @ dequantize(sch, packed).astype(np.float64)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 31, 32, 77])
+@pytest.mark.parametrize("k,n,panel", [(32, 32, 32), (96, 128, 64), (64, 256, 128)])
+def test_amx_product_matches_float64(m, k, n, panel):
+    """AMX tiles for row counts below, at and past one 32-row block, K of one or several
+    steps, one or several column blocks and panels."""
+    from hla_tvm.quant import amx
+
+    _bf16_blocks_check(amx, m, k, n, panel)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 77])
+@pytest.mark.parametrize("k,n,panel", [(16, 64, 64), (96, 128, 64), (64, 256, 128)])
+def test_vdpbf16ps_product_matches_float64(m, k, n, panel):
+    """VDPBF16PS for row counts below, at and past one 6-row block, K of one conversion vector
+    or several, one or several 64-column blocks and panels."""
+    from hla_tvm.quant import dpbf16
+
+    _bf16_blocks_check(dpbf16, m, k, n, panel)
 
 
 @needs_amx
@@ -124,6 +146,43 @@ def test_a_bf16_module_prefills_on_amx_and_decodes_without():
     text = mod["prefill"].script() if "prefill" in names else ""
     decode = mod["decode"].script()
     assert "amx_bf16_matmul" in text and "amx_bf16_matmul" not in decode
+
+
+@needs_bf16
+def test_a_bf16_module_prefills_on_vdpbf16ps_where_there_is_no_amx(tmp_path):
+    """A bf16 model compiled for this CPU without AMX: its prefill's products run the
+    VDPBF16PS kernel, its decode step's the vector ones; its prefill and decode match PyTorch
+    running the same bfloat16 weights, inputs rounded to bfloat16 (`dequantized_model`; 4e-3
+    as in test_quantize.py: a float32 input at a rounding tie rounds either way)."""
+    from conftest import rel_err
+
+    from hla_tvm.compiler import compile as compile_model, prepare, to_relax
+    from hla_tvm.models import HLALM
+    from hla_tvm.quant.scheme import scheme
+    from hla_tvm.quant.torch_weights import dequantized_model
+    from hla_tvm.runtime import load
+    from hla_tvm.target import host_target, resolve
+
+    torch.manual_seed(0)
+    model = HLALM(40, 64, 2, 4, chunk_size=16).eval()
+    tgt = resolve({"kind": "llvm", "mcpu": "znver4"}) if _has_amx() else host_target()
+    mod, _ = prepare(to_relax(model, target=tgt), tgt, scheme("bf16"))
+    names = [gv.name_hint for gv in mod.get_global_vars()]
+    assert any(n.startswith("dpbf16_matmul") for n in names), names
+    assert "dpbf16_matmul" in mod["prefill"].script()
+    assert "dpbf16_matmul" not in mod["decode"].script()
+    if _has_amx():
+        return   # (the host's own module prefills on AMX: test_amx_* above)
+    m = load(compile_model(model, out=tmp_path / "b.so", quantize="bf16"))
+    ref = dequantized_model(model, scheme("bf16"))
+    tokens = torch.randint(0, 40, (2, 38), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = ref(tokens, None)
+    state = m.init_state(2)
+    got = torch.from_numpy(np.asarray(m.prefill(tokens[:, :37].numpy(), state)[0]))
+    assert rel_err(got, want[:, :37]) <= 4e-3
+    step = torch.from_numpy(np.asarray(m.decode(tokens[:, 37].numpy(), state)[0]))
+    assert rel_err(step, want[:, 37]) <= 4e-3
 
 
 def _vnni_targets():

@@ -98,7 +98,7 @@ def pack_weights(mod, sch, target):
     import tvm
     from tvm import relax
 
-    from ..quant import amx, kernels, matvec, vnni
+    from ..quant import amx, dpbf16, kernels, matvec, vnni
     from ..schedule.rules.cpu.matmul_tiles import vector_lanes
     from ..quant.panels import stored
     from ..quant.scheme import nbytes, quantize
@@ -106,6 +106,8 @@ def pack_weights(mod, sch, target):
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
     # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`)
     amx_ok = sch is not None and sch.name == "bf16" and amx.available(target)
+    dpbf16_ok = sch is not None and sch.name == "bf16" and not amx_ok and \
+        dpbf16.available(target)
     # an int8 / int4 decode step's products on integer dot products where the target has them
     vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
     hand_funcs = {}   # name -> the GlobalVar of a hand-written kernel (amx, vnni, matvec)
@@ -162,7 +164,9 @@ def pack_weights(mod, sch, target):
 
             if name == "matmul" and sch is not None and sch.name == "bf16" and \
                     amx_ok and amx.fits(k, n, p) and _rows(data) != 1:
-                return self._amx_matmul(data, q, k, n, p)
+                return self._bf16_blocks(amx, "amx_bf16", data, q, k, n, p)
+            if name == "matmul" and dpbf16_ok and dpbf16.fits(k, n, p) and _rows(data) != 1:
+                return self._bf16_blocks(dpbf16, "dpbf16", data, q, k, n, p)
             if name == "matmul" and quads and _rows(data) == 1:
                 return self._vnni_matmul(data, q, scale, k, n, p)
             if name == "matmul" and target.kind.name == "llvm" and _one_row(data) and \
@@ -200,13 +204,14 @@ def pack_weights(mod, sch, target):
                 out = self.builder_.emit(relax.TupleGetItem(out, 0))
             return relax.op.reshape(out, [*lead, n])
 
-        def _amx_matmul(self, x, q, k, n, p):
-            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) on AMX tiles
-            (`quant.amx`), the kernel's bf16 copy of the rows a scratch output."""
+        def _bf16_blocks(self, kind, prefix, x, q, k, n, p):
+            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) through the output
+            blocks of `kind` (`quant.amx`, `quant.dpbf16`: `quant.bf16_blocks`), the kernel's
+            bf16 copy of the rows a scratch output."""
             return self._hand_kernel(
-                f"amx_bf16_matmul_{k}_{n}", lambda f: amx.matmul_func(k, n, p, f), x, [q], k, n,
+                f"{prefix}_matmul_{k}_{n}", lambda f: kind.matmul_func(k, n, p, f), x, [q], k, n,
                 scratch=lambda m: relax.TensorType(
-                    [(m + amx.ROWS - 1) // amx.ROWS * amx.ROWS, k], "uint16"))
+                    [(m + kind.ROWS - 1) // kind.ROWS * kind.ROWS, k], "uint16"))
 
         def _matvec(self, x, q, k, n, p):
             """x [1, .., 1, K] @ the float32 or bf16 weight `q` in panels of `p`

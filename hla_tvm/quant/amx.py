@@ -28,6 +28,8 @@ ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): `INIT` does, on the first call of a pr
 the OS refuses, the function stops with an error before its first tile instruction."""
 from __future__ import annotations
 
+from . import bf16_blocks
+
 ROWS = COLS = 32          # the output block of one kernel call: 2 x 2 tiles of 16 x 16 float32
 STEP = 32                 # K per TDPBF16PS (16 rows of bf16 pairs)
 FEATURES = ("amx-tile", "amx-bf16")
@@ -131,62 +133,14 @@ def available(target):
 def fits(k, n, panel):
     """Whether a weight [K = `k`, N = `n`] stored in panels of `panel` columns takes the
     kernel: K in whole steps, N and the panel in whole column blocks."""
-    return panel is not None and k % STEP == 0 and n % COLS == 0 and panel % COLS == 0
+    return bf16_blocks.fits(k, n, panel, step=STEP, cols=COLS)
 
 
 def matmul_func(k, n, panel, name="amx_bf16_matmul"):
-    """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32), M
-    symbolic, that computes out = bf16(x) @ W on AMX tiles (the module docstring); scheduled
-    already (TVM's rules leave it as it is)."""
-    from tvm.script import tirx as T
-
-    from ..ops.common.pairs import bits
-
-    assert fits(k, n, panel), (k, n, panel)
-    blocks, p = n // COLS, panel
-    lanes = 16
-
-    @T.prim_func
-    def func(var_x: T.handle, q: T.Buffer((n // p, k // 2, p), "uint32"), var_out: T.handle,
-             var_xb: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, k), "float32")
-        out = T.match_buffer(var_out, (m, n), "float32")
-        xb = T.match_buffer(var_xb, ((m + ROWS - 1) // ROWS * ROWS, k), "uint16")
-        T.attr(0, "pragma_import_llvm", INIT + KERNEL)
-        ready = T.decl_buffer((1,), "int32")
-        ready[0] = T.call_extern("int32", INIT_NAME)
-        assert ready[0] == 1, "AMX tiles refused by the OS (arch_prctl XTILEDATA)"
-        for io in T.parallel((m + ROWS - 1) // ROWS):
-            for ii in range(ROWS):
-                if io * ROWS + ii < m:
-                    for ko in range(k // lanes):
-                        for ki in T.vectorized(lanes):
-                            # (an expression, no let: a let's value in a vectorized loop
-                            # came out as one lane's)
-                            xb[io * ROWS + ii, ko * lanes + ki] = T.Cast(
-                                "uint16", bits(x[io * ROWS + ii, ko * lanes + ki]))
-                else:
-                    for kk in T.vectorized(k):
-                        xb[io * ROWS + ii, kk] = T.uint16(0)
-        for jb in T.parallel(blocks):
-            c = T.decl_buffer((ROWS, COLS), "float32", align=64)   # the last rows' block
-            for ib in range((m + ROWS - 1) // ROWS):
-                if ib * ROWS + ROWS <= m:   # a whole block: its sums straight into `out`
-                    T.evaluate(T.call_extern(
-                        "int32", KERNEL_NAME, T.address_of(out[ib * ROWS, jb * COLS]),
-                        T.int64(n), T.address_of(xb[ib * ROWS, 0]), T.int64(k),
-                        T.address_of(q[jb * COLS // p, 0, jb * COLS % p]), T.int64(4 * p),
-                        T.int64(k // STEP)))
-                else:
-                    T.evaluate(T.call_extern(
-                        "int32", KERNEL_NAME, c.data, T.int64(COLS),
-                        T.address_of(xb[ib * ROWS, 0]), T.int64(k),
-                        T.address_of(q[jb * COLS // p, 0, jb * COLS % p]), T.int64(4 * p),
-                        T.int64(k // STEP)))
-            for r in range(m % ROWS):
-                for j in T.vectorized(COLS):
-                    out[m - m % ROWS + r, jb * COLS + j] = c[r, j]
-
-    return func.with_attr({"global_symbol": name, "tirx.is_scheduled": True})
+    """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32, xb
+    scratch), M symbolic, that computes out = bf16(x) @ W on AMX tiles (`bf16_blocks`, asking
+    the OS for the tiles first); scheduled already."""
+    return bf16_blocks.matmul_func(
+        k, n, panel, name, rows=ROWS, cols=COLS, step=STEP, llvm_ir=INIT + KERNEL,
+        kernel=KERNEL_NAME, init=INIT_NAME,
+        init_error="AMX tiles refused by the OS (arch_prctl XTILEDATA)")
