@@ -114,6 +114,29 @@ def test_the_apps_run_a_quantized_module_unchanged(app, int4_module):
     assert [int(t) for t in run.stdout.split()] == want
 
 
+@needs_cmake
+def test_the_apps_run_a_hybrid_with_its_cache_and_position_counter(app, tmp_path):
+    """A hybrid (a softmax layer whose key/value cache and int64 position counter are state
+    entries): the C++ app and the Python script give the runtime's greedy tokens, past the
+    cache's 8 tokens."""
+    import sys
+
+    torch.manual_seed(2)
+    model = HLALM(40, 32, 2, 4, chunk_size=16, softmax_layers=[1], max_len=8).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)
+    path = str(compile_model(model, out=tmp_path / "hybrid.so", schedules="default"))
+    prompt = [5, 9, 2, 33, 7, 1]
+    want = _greedy(path, prompt, 12)
+    script = os.path.join(ROOT, "export", "python", "generate.py")
+    for cmd in ([app, path], [sys.executable, script, path]):
+        run = subprocess.run([*cmd, "--prompt", ",".join(map(str, prompt)), "--steps", "12"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert [int(t) for t in run.stdout.split()] == want
+
+
 BLOCK = """
 import sys
 class _Block:

@@ -388,9 +388,12 @@ std::vector<char> Get(const Tensor& t) {
   return out;
 }
 
+// A state entry's dtype: float32 summaries and caches, int64 / int32 counters (positions).
 DLDataType ParseDType(const std::string& s) {
   if (s == "float32") return DLDataType{kDLFloat, 32, 1};
   if (s == "float64") return DLDataType{kDLFloat, 64, 1};
+  if (s == "int64") return DLDataType{kDLInt, 64, 1};
+  if (s == "int32") return DLDataType{kDLInt, 32, 1};
   throw std::runtime_error("state dtype " + s + " is not supported by this app");
 }
 
