@@ -342,3 +342,46 @@ def test_conv1d_weights_are_quantized_in_the_module_and_the_reference(name, tmp_
     assert not torch.equal(ref.c_fc.weight, model.c_fc.weight)
     path = compile_model(model, out=tmp_path / "m.so", quantize=name, group_size=32)
     _check_against_pytorch(model, path, sch)
+
+
+class EinsumLM(torch.nn.Module):
+    """Per-head output weights [H, Dh, D] applied with einsum beside nn.Linear projections:
+    the einsum's weight is no matmul's [K, N] right operand."""
+
+    def __init__(self):
+        super().__init__()
+        from hla_tvm.nn import HLAttention
+
+        self.emb, self.attn = torch.nn.Embedding(40, 64), HLAttention(64, 4, chunk_size=16)
+        self.heads = torch.nn.Parameter(torch.randn(4, 16, 64) / 8)
+        self.head = torch.nn.Linear(64, 40)
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch)]
+
+    def forward(self, tokens, state=None):
+        x = self.emb(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        z = torch.einsum("bthd,hde->bte", y.view(*y.shape[:2], 4, 16), self.heads)
+        return self.head(x + z), [st]
+
+
+def test_the_report_names_float32_weights_no_product_packs(tmp_path, capsys):
+    """A weight an einsum reads stays float32 (as `dequantized_model` leaves it): the module's
+    report lists it with the operator reading it, `compile` notes it, and the module equals
+    PyTorch with the other weights dequantized."""
+    from hla_tvm.cli.compile import _report_weights
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.runtime.model import weights_summary
+
+    torch.manual_seed(4)
+    model = EinsumLM().eval()
+    path = tmp_path / "e.so"
+    compile_model(model, out=path, quantize="int4")
+    _, mod = _check_against_pytorch(model, path, scheme("int4"))
+    unpacked = mod.meta["quantize"]["unpacked"]
+    assert [w["shape"] for w in unpacked] == [[4, 16, 64]], unpacked
+    assert "1 more float32" in weights_summary(mod.meta)
+    _report_weights(str(path))
+    err = capsys.readouterr().err
+    assert "[4, 16, 64]" in err and unpacked[0]["op"] in err

@@ -103,6 +103,9 @@ def _report_weights(path, exported=False):
     if sch is None:
         return
     print(f"weights: {weights_summary(meta)}")
+    for w in meta["quantize"].get("unpacked") or ():
+        print(f"note: a float32 weight {w['shape']} read by {w['op']} stays float32 (only "
+              "nn.Linear-style products and embedding lookups are packed)", file=sys.stderr)
     ks = sorted({shape[0] for shape in meta["quantize"].get("kept") or ()})
     if not ks:
         return

@@ -92,8 +92,10 @@ def weight_matrix(found):
 
 def pack_weights(mod, sch, target):
     """(`mod` with its weights stored under the scheme `sch` (None: float32) in the layout of
-    `target` (`panel_width`), {"packed": count, "kept": [shapes left as they were],
-    "bytes": stored bytes of the packed weights, "float_bytes": their float32 bytes}). The
+    `target` (`panel_width`), {"packed": count, "kept": [shapes left as they were: K not a
+    multiple of the group], "unpacked": [other float32 weights no packed product reads, with
+    the operator that reads them: `unpacked_weights`], "bytes": stored bytes of the packed
+    weights, "float_bytes": their float32 bytes}). The
     caller's module is unchanged."""
     import tvm
     from tvm import relax
@@ -258,4 +260,44 @@ def pack_weights(mod, sch, target):
                 mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(
                     mutator.visit_expr(func)))
         mod = mutator.builder_.get()
+    if sch is not None:
+        report["unpacked"] = unpacked_weights(mod, [c for v in packed.values() if v
+                                                    for c in v[:2] if c is not None])
     return mod, report
+
+
+UNPACKED_MIN = 1024   # elements: smaller float32 constants (norms, biases, decays) go unsaid
+
+
+def unpacked_weights(mod, made):
+    """[{"shape", "op"}] for each float32 constant of two or more axes and UNPACKED_MIN or more
+    elements that `mod`'s Relax functions still read and that is none of `made` (the packed
+    weights' constants): what a quantizing compile left float32 besides the weights whose K
+    does not split into groups (a weight an einsum or a 3-d product reads, a table read other
+    than by a lookup), with the operator that reads it."""
+    import tvm
+    from tvm import relax
+
+    found = {}
+
+    @relax.expr_functor.visitor
+    class _Find(relax.PyExprVisitor):
+        def visit_call_(self, call):
+            for arg in call.args:
+                if not isinstance(arg, tvm.ir.expr.Constant) or \
+                        any(arg.same_as(m) for m in made):
+                    continue
+                value = arg.value
+                if hasattr(value, "numpy") and str(value.dtype) == "float32" and \
+                        len(value.shape) >= 2 and \
+                        int(np.prod(value.shape)) >= UNPACKED_MIN:
+                    op = call.op.name if isinstance(call.op, tvm.ir.Op) else \
+                        getattr(call.op, "name_hint", str(call.op))
+                    found.setdefault(hashlib.sha256(value.numpy().tobytes()).hexdigest(),
+                                     {"shape": [int(d) for d in value.shape], "op": op})
+            super().visit_call_(call)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            _Find().visit_expr(func)
+    return list(found.values())

@@ -99,11 +99,14 @@ def weights_summary(meta):
     quant = meta.get("quantize")
     if not quant:
         return scheme_name(meta)
-    kept = quant.get("kept") or ()
+    kept, other = quant.get("kept") or (), quant.get("unpacked") or ()
     mb = {key: quant.get(key, 0) / 1e6 for key in ("bytes", "float_bytes")}
+    ops = sorted({w.get("op", "?") for w in other if isinstance(w, dict)})
     return (f"{scheme_name(meta)}, {quant.get('packed')} packed ({mb['bytes']:.2f} MB, "
             f"float32 {mb['float_bytes']:.2f} MB)"
-            + (f", {len(kept)} kept float32 (K not a multiple of the group)" if kept else ""))
+            + (f", {len(kept)} kept float32 (K not a multiple of the group)" if kept else "")
+            + (f", {len(other)} more float32 (read by {', '.join(ops)}, which no packed "
+               "product replaces)" if other else ""))
 
 
 def state_bytes(spec):
