@@ -120,14 +120,7 @@ attributes #0 = {{ "target-features"="+amx-tile,+amx-bf16" }}
 
 def available(target):
     """Whether code for the llvm `target` may use AMX's bfloat16 tiles (`FEATURES`)."""
-    from tvm.target import codegen
-
-    if target.kind.name != "llvm":
-        return False
-    try:
-        return all(codegen.target_has_features(f, target) for f in FEATURES)
-    except Exception:  # noqa: BLE001 - a target LLVM cannot query
-        return False
+    return bf16_blocks.has_features(target, FEATURES)
 
 
 def fits(k, n, panel):

@@ -23,6 +23,18 @@ from __future__ import annotations
 LANES = 16   # the rows' conversion to bfloat16: vectors of 16 inputs
 
 
+def has_features(target, features):
+    """Whether code for the llvm `target` may use every one of `features` (LLVM's names)."""
+    from tvm.target import codegen
+
+    if target.kind.name != "llvm":
+        return False
+    try:
+        return all(codegen.target_has_features(f, target) for f in features)
+    except Exception:  # noqa: BLE001 - a target LLVM cannot query
+        return False
+
+
 def fits(k, n, panel, *, step, cols):
     """Whether a weight [K = `k`, N = `n`] stored in panels of `panel` columns takes a kernel
     of K `step` and `cols` columns: K in whole steps and conversion vectors (LANES), N and the

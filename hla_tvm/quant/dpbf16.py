@@ -76,14 +76,7 @@ KERNEL = _kernel()
 
 def available(target):
     """Whether code for the llvm `target` may use VDPBF16PS (`FEATURES`)."""
-    from tvm.target import codegen
-
-    if target.kind.name != "llvm":
-        return False
-    try:
-        return all(codegen.target_has_features(f, target) for f in FEATURES)
-    except Exception:  # noqa: BLE001 - a target LLVM cannot query
-        return False
+    return bf16_blocks.has_features(target, FEATURES)
 
 
 def fits(k, n, panel):
