@@ -124,6 +124,24 @@ class PadShiftLM(ShiftLM):
         return self.head(h + 0.5 * shifted), [st, {"prev": h[:, -1]}]
 
 
+class RingLM(_Tiny):
+    """A buffer of the last 4 rows in the state, written with index_copy at the position
+    counter (a static KV cache's pattern); each output reads the buffer's mean."""
+
+    def init_state(self, batch):
+        return [self.attn.init_state(batch), {"ring": torch.zeros(batch, 4, D),
+                                              "pos": torch.zeros(batch, dtype=torch.int64)}]
+
+    def forward(self, tokens, state=None):
+        x = self.inputs(tokens)
+        y, st = self.attn(x, None if state is None else state[0])
+        ring = torch.zeros(x.shape[0], 4, D) if state is None else state[1]["ring"]
+        pos = torch.zeros(x.shape[0], dtype=torch.int64) if state is None else state[1]["pos"]
+        ring = ring.index_copy(1, (pos[0] + torch.arange(x.shape[1])) % 4, x + y)
+        return self.head(y + ring.mean(1, keepdim=True)), [st, {"ring": ring,
+                                                                "pos": pos + x.shape[1]}]
+
+
 class LastSliceLM(_Tiny):
     """The last row as a one-row slice, `h + h[:, -1:]`."""
 
@@ -139,7 +157,7 @@ class LengthBranchLM(_Tiny):
 
 
 MODELS = {"negative": lambda: LastRowLM("negative"), "symbolic": lambda: LastRowLM("symbolic"),
-          "cumsum": CumsumLM, "scatter": ScatterLM, "shift": ShiftLM, "pad_shift": PadShiftLM,
+          "cumsum": CumsumLM, "scatter": ScatterLM, "shift": ShiftLM, "pad_shift": PadShiftLM, "ring": RingLM,
           "last_slice": LastSliceLM}
 
 
@@ -219,6 +237,13 @@ def test_a_token_shift_through_pad_matches_pytorch(compiled_pattern):
     had no type rule) compiles and matches PyTorch at every length and in decode."""
     model, m = compiled_pattern("pad_shift")
     _check_prefill_and_decode(model, m, lengths=(1, 2, 3, 5, 13))
+
+
+def test_index_copy_into_a_state_buffer_matches_pytorch(compiled_pattern):
+    """`buf.index_copy(1, positions % 4, rows)` (decomposed as a scatter: torch's index_put
+    form was refused by TVM's importer) compiles and matches in prefill and decode (prompts of
+    at most 4 tokens: longer ones write a row twice, which PyTorch leaves undefined)."""
+    _check_prefill_and_decode(*compiled_pattern("ring"), lengths=(1, 2, 4))
 
 
 def test_a_one_row_slice_of_the_time_axis_matches_pytorch(compiled_pattern):
@@ -432,3 +457,23 @@ def test_small_whole_powers_become_products():
     vm = relax.VirtualMachine(ex, tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x.numpy()))[0].numpy()
     np.testing.assert_allclose(got, Powers()(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+class IndexAssignLM(_Tiny):
+    """Rows assigned in place through a tensor index on the second axis (`buf[:, idx] = h`),
+    which TVM's importer cannot convert (index_put with a None index)."""
+
+    def mix(self, tokens, h):
+        buf = torch.zeros(h.shape[0], 4, D)
+        buf[:, tokens[0] % 4] = h
+        return h + buf.sum(1, keepdim=True)
+
+
+def test_a_pattern_the_importer_cannot_convert_is_named_in_one_line(tmp_path):
+    """The error names the PyTorch op and the model's source line torch kept (here the
+    forward that calls `mix`), in one line, not a dump."""
+    with pytest.raises(ValueError) as err:
+        compile_model(IndexAssignLM().eval(), out=tmp_path / "x.so")
+    msg = str(err.value)
+    assert "\n" not in msg and "index_put" in msg, msg
+    assert "test_frontend_patterns.py:" in msg and "self.mix(tokens" in msg, msg

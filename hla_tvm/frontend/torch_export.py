@@ -3,6 +3,8 @@ onto our TensorIR kernels (`custom_convert_map` of TVM's exported-program fronte
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import warnings
 
 from .relax_hla import emit_operator
@@ -53,10 +55,77 @@ def import_exported(ep):
 
     ep = without_runtime_asserts(ep)   # (decomposed there, as TVM's importer would)
     with quiet_pytree_deprecation():
-        mod = from_exported_program(ep, custom_convert_map={OP_NAME: convert_hla_node,
-                                                            "select.int": convert_select},
-                                    run_ep_decomposition=False)
+        mod = _importer()().from_exported_program(
+            ep, keep_params_as_input=False, unwrap_unit_return_tuple=False,
+            no_bind_return_tuple=False,
+            custom_convert_map={OP_NAME: convert_hla_node, "select.int": convert_select})
     return unflatten_matmuls(tighten_shapes(mod, export_ranges(ep)))
+
+
+class UnsupportedPattern(ValueError):
+    """A PyTorch op TVM's importer could not convert, named with the model's source line."""
+
+
+def source_line(node):
+    """'file:line: code' of the model's own source that made the FX `node` (the last frame
+    of its stack trace), or '' where torch kept none."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[i])
+        if found:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{os.path.basename(found.group(1))}:{found.group(2)}: {code}"
+    return ""
+
+
+def _importer():
+    """TVM's ExportedProgramImporter whose every converter names the op and the model's
+    source line when it fails (`UnsupportedPattern`), instead of TVM's message alone."""
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    def named(name, convert):
+        def run(node, *rest):
+            try:
+                return convert(node, *rest)
+            except UnsupportedPattern:
+                raise
+            except Exception as err:  # noqa: BLE001 - TVM's converters raise many kinds
+                where = source_line(node)
+                first = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+                raise UnsupportedPattern(
+                    f"the model's {name} ({where or 'no source line kept'}) cannot be "
+                    f"compiled: TVM's importer says {first[:300]}") from None
+        return run
+
+    class Importer(ExportedProgramImporter):
+        def create_convert_map(self):
+            return {k: named(k, f) for k, f in super().create_convert_map().items()}
+
+        def update_convert_map(self, custom):
+            super().update_convert_map({k: named(k, f) for k, f in custom.items()})
+
+    return Importer
+
+
+def _index_copy(x, dim, index, source):
+    """x.index_copy(dim, index, source) as the scatter it is (source's slices along `dim` into
+    rows `index`): torch decomposes it to an index_put with a None index per leading axis,
+    which TVM's importer refuses ("IndexPut requires the number of index tensors ... to match
+    the data tensor dimensions")."""
+    import torch
+
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    return x.scatter(dim, index.view(shape).expand_as(source), source)
+
+
+def decomposition_table():
+    """torch.export's default decompositions, with index_copy as a scatter (`_index_copy`)."""
+    import torch
+
+    table = torch.export.default_decompositions()
+    table[torch.ops.aten.index_copy.default] = _index_copy
+    return table
 
 
 ASSERTS = ("aten._assert_scalar.default", "aten._assert_async.msg",
@@ -71,7 +140,7 @@ def without_runtime_asserts(ep):
     one row (`h[:, :-1]`: "T - 1 != 1", which refused prompts of two tokens); the graph
     computes every length alike, and TVM's importer has no converter for the assertions."""
     with quiet_pytree_deprecation():
-        ep = ep.run_decompositions()
+        ep = ep.run_decompositions(decomposition_table())
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and str(node.target) in ASSERTS:
