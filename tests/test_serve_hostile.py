@@ -565,3 +565,36 @@ def test_help_names_the_limits(capsys):
     for flag in ("--max-connections", "--request-timeout", "--max-body", "--max-tokens",
                  "--max-unread", "--max-prompt", "--shutdown-timeout"):
         assert flag in out
+
+
+def test_a_module_with_a_max_batch_serves_as_it_is(tmp_path, monkeypatch, capsys):
+    """A module compiled for at most one stream (the demo's) serves without --max-streams (the
+    pool takes its max batch); asking for more streams than it takes is refused in one line
+    naming --max-streams and the module's bound (it was init_state's error)."""
+    import torch
+
+    import hla_tvm.cli.serve as serve_cli
+    from hla_tvm.cli import main
+    from hla_tvm.compiler import compile as compile_model
+    from hla_tvm.models import HLALM
+
+    torch.manual_seed(0)
+    path = compile_model(HLALM(40, 16, 1, 2, chunk_size=16).eval(), out=tmp_path / "one.so",
+                         max_batch=1)
+    assert serve_cli.stream_slots(None, 1) == 1 and serve_cli.stream_slots(None, None) == 64
+    started = []
+
+    class Server:
+        def __init__(self, *args, **kwargs):
+            started.append(True)
+
+        def run(self):
+            pass
+    monkeypatch.setattr(serve_cli, "_server_class", lambda: Server)
+    monkeypatch.delenv("HLA_TVM_API_KEY", raising=False)
+    main(["serve", str(path), "--port", "1"])
+    assert started, capsys.readouterr().err
+    code = main(["serve", str(path), "--port", "1", "--max-streams", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--max-streams 4" in err[0] and "--max-batch 1" in \
+        err[0], err

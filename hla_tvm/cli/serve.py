@@ -45,8 +45,10 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; mind --api-key)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--max-streams", type=positive, default=64,
-                   help="streams advanced together (state slots); more requests wait")
+    p.add_argument("--max-streams", type=positive, default=None,
+                   help="streams advanced together (state slots); more requests wait "
+                        f"(default: {DEFAULT_STREAMS}, or the module's max batch where it was "
+                        "compiled with a smaller --max-batch)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for a slot before the server answers 429 "
                         "(default: --max-streams)")
@@ -116,6 +118,7 @@ def main(args):
         check_sessions_folder(args.sessions)
     max_connections = connection_cap(args.max_connections)
     model = load(args.module, threads=args.threads)
+    args.max_streams = stream_slots(args.max_streams, model.max_batch)
     check_pool_memory(model, args.max_streams)
     store = SessionStore(args.sessions, model, max_count=args.max_sessions) \
         if args.sessions else None
@@ -204,6 +207,22 @@ def connection_cap(wanted):
         raise ValueError(f"--max-connections {wanted} needs {wanted + FD_RESERVE} file "
                          f"descriptors; the limit is {soft} (ulimit -n)")
     return wanted
+
+
+DEFAULT_STREAMS = 64
+
+
+def stream_slots(asked, max_batch):
+    """The state pool's streams: `asked` (--max-streams; None: DEFAULT_STREAMS, or the module's
+    max batch where that is smaller: the demo's module serves as it is), refused in one line
+    where the module takes fewer streams."""
+    if asked is None:
+        return DEFAULT_STREAMS if max_batch is None else min(DEFAULT_STREAMS, max_batch)
+    if max_batch is not None and asked > max_batch:
+        raise ValueError(f"--max-streams {asked}: this module takes at most {max_batch} streams "
+                         f"(compiled with --max-batch {max_batch}); give --max-streams "
+                         f"{max_batch} or less, or compile it again with a larger --max-batch")
+    return asked
 
 
 def check_pool_memory(model, streams):
