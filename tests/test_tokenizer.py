@@ -121,3 +121,23 @@ def test_bundle_script_takes_text_through_the_tokenizer(compiled):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "class Point:\n" + tok.decode(want) + "\n"
+
+
+def test_eval_reads_text_through_the_modules_tokenizer(compiled, tmp_path, capsys):
+    """`hla-tvm eval --file` on a module with a tokenizer: a UTF-8 text is encoded by it (the
+    file had to hold token ids), giving the bits the same ids give as a file of ids."""
+    from hla_tvm.cli import main
+
+    tok, path, _ = compiled
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[:400])
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(map(str, tok.encode(TEXT[:400]).ids)))
+    results = []
+    for f in (text, ids):
+        out = tmp_path / f"{f.stem}.json"
+        assert main(["eval", str(path), "--file", str(f), "--json", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    assert results[0]["tokens"] == len(tok.encode(TEXT[:400]).ids) == results[1]["tokens"]
+    assert results[0]["models"][0]["bits"] == results[1]["models"][0]["bits"]
+    capsys.readouterr()

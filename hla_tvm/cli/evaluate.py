@@ -26,8 +26,9 @@ def add_arguments(p):
                         "(your own model, in PyTorch); the first is the reference of the "
                         "differences. An ONNX model: `hla-tvm compile` it first")
     text = p.add_mutually_exclusive_group(required=True)
-    text.add_argument("--file", help="the text: its bytes for byte-level models, "
-                                     "whitespace-separated token ids for others")
+    text.add_argument("--file", help="the text: its bytes for byte-level models; for others "
+                                     "whitespace-separated token ids, or UTF-8 text that the "
+                                     "tokenizer kept in the compiled modules encodes")
     text.add_argument("--held-out", action="store_true",
                       help="the validation split of `hla-tvm train` (the .py files of this "
                            "Python's standard library it holds out)")
@@ -50,6 +51,7 @@ class ModuleLM:
         self.model = model
         self.state = model.init_state(1)
         self.vocab = model.vocab
+        self.text = model.text   # (a tokenizer's, or bytes: `runtime.text`; None: ids only)
         self.vocab_size = model.vocab_size
         self.weights = scheme_name(model.meta) + " (compiled)"
 
@@ -67,6 +69,7 @@ class TorchLM:
         self.vocab = config.get("vocab")
         self.vocab_size = config.get("vocab_size")
         self.weights = weights
+        self.text = None
 
     def logits(self, piece):
         import torch
@@ -105,8 +108,10 @@ def held_out_bytes():
     return stdlib_corpus()[1].numpy().astype(np.int64)
 
 
-def _tokens(args, byte_level):
-    """The token ids of the text, int64, at most --tokens of them."""
+def _tokens(args, byte_level, tokenizer=None):
+    """The token ids of the text, int64, at most --tokens of them: bytes for byte-level models;
+    else whitespace-separated ids, or UTF-8 text encoded by `tokenizer` (`runtime.text`, the
+    compiled modules' own) where the file holds something else."""
     if args.held_out:
         if not byte_level:
             raise ValueError("--held-out is byte text: it needs byte-level models")
@@ -123,11 +128,35 @@ def _tokens(args, byte_level):
             try:
                 ids = np.array([int(t) for t in raw.split()], dtype=np.int64)
             except ValueError:
-                raise ValueError(f"--file {args.file}: the models are not byte-level, so the "
-                                 "file must hold whitespace-separated token ids") from None
+                if tokenizer is None:
+                    raise ValueError(f"--file {args.file}: the models are not byte-level and no "
+                                     "compiled module among them keeps a tokenizer, so the file "
+                                     "must hold whitespace-separated token ids") from None
+                try:
+                    ids = np.array(tokenizer.encode(raw.decode("utf-8")), dtype=np.int64)
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"--file {args.file}: not UTF-8 text (byte {err.start}) "
+                                     "nor token ids") from None
     if ids.size < 2:
         raise ValueError("the text needs at least 2 tokens (one to predict from, one to predict)")
     return ids[:args.tokens]
+
+
+def _shared_tokenizer(paths, models):
+    """The tokenizer the compiled modules among `models` keep (`runtime.text`), None where
+    none keeps one; ValueError where two keep different ones (their ids would differ)."""
+    from ..runtime.text import TOKENIZER
+
+    kept = [(p, m) for p, m in zip(paths, models)
+            if isinstance(m, ModuleLM) and m.model.meta.get(TOKENIZER)]
+    if not kept:
+        return None
+    first_path, first = kept[0]
+    for path, m in kept[1:]:
+        if m.model.meta[TOKENIZER] != first.model.meta[TOKENIZER]:
+            raise ValueError(f"{path} and {first_path} keep different tokenizers: give the "
+                             "text as token ids, or evaluate them apart")
+    return first.text
 
 
 def evaluate(models, ids, piece):
@@ -164,7 +193,7 @@ def main(args):
         raise ValueError("the models must all be byte-level or all not: their bits are of "
                          "different units otherwise")
     byte_level = byte_level.pop()
-    ids = _tokens(args, byte_level)
+    ids = _tokens(args, byte_level, _shared_tokenizer(args.models, models))
     for path, m in zip(args.models, models):
         if m.vocab_size is not None and int(ids.max()) >= m.vocab_size:
             raise ValueError(f"{path}: token id {int(ids.max())} is not below its vocabulary "
