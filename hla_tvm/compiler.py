@@ -94,9 +94,8 @@ def to_relax(model, *, max_batch=None, target=None):
     st = flatten_state(model.init_state(rows))
     state_dims = tuple(_dims({0: batch}) for _ in st)
     mods = {}
-    with torch.no_grad():
-        check_fixed_state(model, layout, st)
     with torch.no_grad(), chunks_for(target):
+        check_fixed_state(model, layout, st)
         ep, skips = export_prefill(
             Prefill(model, layout), (torch.zeros(rows, 8, dtype=torch.int64), *st),
             (_dims({0: batch, 1: seq}), state_dims))
@@ -268,8 +267,9 @@ def prepare(mod, target, quantize=None):
     their products (`scale_epilogue`), the products of one input with several weights one
     product (`parallel_products`), the weights stored as the kernels read them
     (`pack_weights`: packed under `quantize`, a `quant.Scheme`, and in panels on CPUs), slices
-    that provably lie within their input marked so (`inbound_slices`), then `legalize`d, the functions only a prefill runs marked (`prefill_rows`). Returns the
-    module, or (module, the packing's report) when `quantize` is given."""
+    that provably lie within their input marked so (`inbound_slices`), then `legalize`d, the
+    functions only a prefill runs marked (`prefill_rows`). Returns the module, or (module, the
+    packing's report) when `quantize` is given."""
     from .frontend.fused_rms_norm import fused_rms_norm
     from .frontend.inbound_slices import inbound_slices
     from .frontend.int_clip import int_clip

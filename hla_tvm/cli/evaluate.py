@@ -51,7 +51,6 @@ class ModuleLM:
         self.model = model
         self.state = model.init_state(1)
         self.vocab = model.vocab
-        self.text = model.text   # (a tokenizer's, or bytes: `runtime.text`; None: ids only)
         self.vocab_size = model.vocab_size
         self.weights = scheme_name(model.meta) + " (compiled)"
 
@@ -69,7 +68,6 @@ class TorchLM:
         self.vocab = config.get("vocab")
         self.vocab_size = config.get("vocab_size")
         self.weights = weights
-        self.text = None
 
     def logits(self, piece):
         import torch
@@ -156,7 +154,7 @@ def _shared_tokenizer(paths, models):
         if m.model.meta[TOKENIZER] != first.model.meta[TOKENIZER]:
             raise ValueError(f"{path} and {first_path} keep different tokenizers: give the "
                              "text as token ids, or evaluate them apart")
-    return first.text
+    return first.model.text
 
 
 def evaluate(models, ids, piece):

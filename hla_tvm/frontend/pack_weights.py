@@ -106,10 +106,11 @@ def pack_weights(mod, sch, target):
     from ..quant.scheme import nbytes, quantize
 
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
-    # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`)
-    amx_ok = sch is not None and sch.name == "bf16" and amx.available(target)
-    dpbf16_ok = sch is not None and sch.name == "bf16" and not amx_ok and \
-        dpbf16.available(target)
+    # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`), else on
+    # VDPBF16PS where it has AVX512-BF16 (`quant.dpbf16`)
+    blocks = None
+    if sch is not None and sch.name == "bf16":
+        blocks = next((kind for kind in (amx, dpbf16) if kind.available(target)), None)
     # an int8 / int4 decode step's products on integer dot products where the target has them
     vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
     hand_funcs = {}   # name -> the GlobalVar of a hand-written kernel (amx, vnni, matvec)
@@ -164,11 +165,9 @@ def pack_weights(mod, sch, target):
             extra = dict(sch=sch, k=k, n=n, group=None if sch is None else sch.group(k),
                          panel=p)
 
-            if name == "matmul" and sch is not None and sch.name == "bf16" and \
-                    amx_ok and amx.fits(k, n, p) and _rows(data) != 1:
-                return self._bf16_blocks(amx, "amx_bf16", data, q, k, n, p)
-            if name == "matmul" and dpbf16_ok and dpbf16.fits(k, n, p) and _rows(data) != 1:
-                return self._bf16_blocks(dpbf16, "dpbf16", data, q, k, n, p)
+            if name == "matmul" and blocks is not None and blocks.fits(k, n, p) and \
+                    _rows(data) != 1:
+                return self._bf16_blocks(blocks, data, q, k, n, p)
             if name == "matmul" and quads and _rows(data) == 1:
                 return self._vnni_matmul(data, q, scale, k, n, p)
             if name == "matmul" and target.kind.name == "llvm" and _one_row(data) and \
@@ -206,12 +205,13 @@ def pack_weights(mod, sch, target):
                 out = self.builder_.emit(relax.TupleGetItem(out, 0))
             return relax.op.reshape(out, [*lead, n])
 
-        def _bf16_blocks(self, kind, prefix, x, q, k, n, p):
+        def _bf16_blocks(self, kind, x, q, k, n, p):
             """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) through the output
             blocks of `kind` (`quant.amx`, `quant.dpbf16`: `quant.bf16_blocks`), the kernel's
             bf16 copy of the rows a scratch output."""
             return self._hand_kernel(
-                f"{prefix}_matmul_{k}_{n}", lambda f: kind.matmul_func(k, n, p, f), x, [q], k, n,
+                f"{kind.PREFIX}_matmul_{k}_{n}", lambda f: kind.matmul_func(k, n, p, f), x, [q],
+                k, n,
                 scratch=lambda m: relax.TensorType(
                     [(m + kind.ROWS - 1) // kind.ROWS * kind.ROWS, k], "uint16"))
 

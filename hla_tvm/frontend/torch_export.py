@@ -48,8 +48,6 @@ def convert_select(node, importer):
 
 def import_exported(ep):
     """Relax IRModule ("main") of an ExportedProgram whose HLA nodes call our kernels."""
-    from tvm.relax.frontend.torch import from_exported_program
-
     from .flat_matmul import unflatten_matmuls
     from .shape_bounds import export_ranges, tighten_shapes
 

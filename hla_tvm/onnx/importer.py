@@ -194,8 +194,8 @@ STATE_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int6
 def lm_signature(model):
     """The language-model interface of an ONNX graph, as `hla_tvm.onnx.export` writes it:
     inputs tokens (int64 [B, T] for prefill or [B] for decode) then the state entries
-    (float32 or int64 [B, ...] with static trailing dims); outputs logits then the new state, one per
-    state input. Returns dict(entry, state=[(name, shape, dtype)], vocab_size, config)."""
+    (float32 or int64 [B, ...] with static trailing dims); outputs logits then the new state,
+    one per state input. Returns dict(entry, state=[(name, shape, dtype)], vocab_size, config)."""
     g = model.graph
     inputs = _graph_inputs(model)
 

@@ -33,6 +33,7 @@ from . import bf16_blocks
 ROWS = COLS = 32          # the output block of one kernel call: 2 x 2 tiles of 16 x 16 float32
 STEP = 32                 # K per TDPBF16PS (16 rows of bf16 pairs)
 FEATURES = ("amx-tile", "amx-bf16")
+PREFIX = "amx_bf16"       # the module's functions: PREFIX_matmul_K_N
 KERNEL_NAME, INIT_NAME = "hla_tvm_amx_bf16_32x32", "hla_tvm_amx_init"
 
 # arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18) through syscall(158, ...),

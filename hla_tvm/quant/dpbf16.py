@@ -18,6 +18,7 @@ ROWS, VECTORS = 6, 4
 COLS = 16 * VECTORS       # 64 columns: four vectors of 16 float32
 STEP = 2                  # K per step: one input pair
 FEATURES = ("avx512bf16", "avx512f")
+PREFIX = "dpbf16"         # the module's functions: PREFIX_matmul_K_N
 KERNEL_NAME = "hla_tvm_dpbf16_6x64"
 
 
