@@ -204,7 +204,7 @@ needs_vnni = pytest.mark.skipif(not _vnni_targets(), reason="this CPU has no VNN
                                 "(grep -E 'avx512_vnni|avx_vnni' /proc/cpuinfo)")
 
 
-def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None):
+def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None, ahead=None):
     """(out of the VNNI product, float64 x @ W) for a random weight under the scheme."""
     import tvm
 
@@ -217,8 +217,8 @@ def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None):
     if x is None:
         x = rng.standard_normal((m, k)).astype(np.float32)
     packed = quantize(sch, rng.standard_normal((k, n)).astype(np.float32))
-    lib = tvm.compile(tvm.IRModule({"f": vnni.matvec_func(sch, k, n, panel, lanes, "f")}),
-                      target=tgt)
+    lib = tvm.compile(tvm.IRModule({"f": vnni.matvec_func(sch, k, n, panel, lanes, "f",
+                                                           ahead)}), target=tgt)
     out = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
     lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(stored(sch, packed["q"], panel, True)),
              tvm.runtime.tensor(packed["scale"]), out)
@@ -301,3 +301,41 @@ def test_an_integer_module_decodes_on_vnni_and_prefills_without(name):
     assert "vnni_" in mod["decode"].script()
     if "prefill" in names:
         assert "vnni_" not in mod["prefill"].script()
+
+
+@needs_vnni
+def test_decode_products_without_prefetch_match_float64():
+    """AMD Zen targets ask no prefetch (`matvec.prefetch_bytes`: their own prefetchers streamed
+    the panels faster alone): the VNNI and float32 kernels built so emit no prefetch and give
+    the products of those built with it."""
+    import tvm
+
+    from hla_tvm.quant import matvec, vnni
+    from hla_tvm.quant.panels import to_panels
+    from hla_tvm.target import resolve
+
+    assert matvec.prefetch_bytes(resolve({"kind": "llvm", "mcpu": "znver4"})) == 0
+    assert matvec.prefetch_bytes(resolve({"kind": "llvm", "mcpu": "sapphirerapids"})) > 0
+    assert "prefetch" not in vnni.matvec_func(_scheme("int4"), 256, 256, 128, 16, "f",
+                                              0).script()
+    lanes, tgt = _vnni_targets()[0]
+    for ahead in (0, None):
+        for name, group in (("int8", None), ("int4", 32)):
+            got, want = _vnni_run(name, group, 2, 256, 256, 128, lanes, tgt, ahead=ahead)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    rng = np.random.default_rng(3)
+    w, x = rng.standard_normal((256, 256)).astype(np.float32), \
+        rng.standard_normal((1, 256)).astype(np.float32)
+    fn = matvec.matvec_func(None, 256, 256, 128, 16, "f", 0)
+    assert "prefetch" not in fn.script()
+    lib = tvm.compile(tvm.IRModule({"f": fn}), target=tgt)
+    out = tvm.runtime.tensor(np.zeros((1, 256), np.float32))
+    lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(to_panels(w, 128)), out)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def _scheme(name):
+    from hla_tvm.quant.scheme import scheme
+
+    return scheme(name, 32 if name == "int4" else None)

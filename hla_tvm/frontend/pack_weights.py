@@ -220,14 +220,16 @@ def pack_weights(mod, sch, target):
             (`quant.matvec`)."""
             return self._hand_kernel(
                 f"{sch.name if sch else 'float32'}_matvec_{k}_{n}",
-                lambda f: matvec.matvec_func(sch, k, n, p, vector_lanes(target), f), x, [q], k, n)
+                lambda f: matvec.matvec_func(sch, k, n, p, vector_lanes(target), f,
+                                             matvec.prefetch_bytes(target)), x, [q], k, n)
 
         def _vnni_matmul(self, x, q, scale, k, n, p):
             """x [.., 1, K] @ the int8 / int4 weight `q` (quads in panels of `p`) on integer
             dot products (`quant.vnni`)."""
             return self._hand_kernel(
                 f"vnni_{sch.name}_matvec_{k}_{n}",
-                lambda f: vnni.matvec_func(sch, k, n, p, vnni_lanes, f), x, [q, scale], k, n)
+                lambda f: vnni.matvec_func(sch, k, n, p, vnni_lanes, f, matvec.prefetch_bytes(
+                    target)), x, [q, scale], k, n)
 
         def visit_call_(self, call):
             call = super().visit_call_(call)

@@ -20,7 +20,8 @@ VPDPBUSD's unsigned operand (int8: one row each; int4: two nibbles each, rows 8r
 8r + 4 + j high). Loops (`matvec_func`, symbolic M): the rows' digits first (serial), then for
 each panel of P columns (parallel), each row: the blocks of K, each in parts of at most 4
 vectors of columns (3 x 4 int32 sums and the P float32 sums in registers), each block asking
-the cache for the weights `matvec.PREFETCH` bytes ahead. A row holding a NaN or an infinity
+the cache for the weights `matvec.PREFETCH` bytes ahead (not on AMD Zen: `matvec.
+prefetch_bytes`). A row holding a NaN or an infinity
 gives NaN.
 
 Measured on the Xeon VM (2 cores, 2026-12-07), 768 x 6144 (the 120 M preset's gate and up
@@ -70,10 +71,11 @@ def _part(vectors):
     return 4 if vectors % 4 == 0 else vectors
 
 
-def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
+def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 4 (int4: / 8), P] uint32, scale [K / g, N],
     out [M, N] float32), M symbolic, computing out as the module docstring says (the rows'
-    digits in a workspace of its own); scheduled already."""
+    digits in a workspace of its own), asking the cache for the weights `ahead` bytes on
+    (`matvec.PREFETCH` where None, none where 0: `matvec.prefetch_bytes`); scheduled already."""
     from tvm.script import tirx as T
 
     from .matvec import PREFETCH, prefetch
@@ -89,7 +91,9 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
     intrin = INTRINSIC[lw]
     steps = BLOCK // 4   # VPDPBUSD steps of 4 inputs a block
     block_words = steps // 2 if int4 else steps   # rows of q a block
-    ahead = max(1, PREFETCH // (4 * p * block_words))   # blocks
+    ahead = PREFETCH if ahead is None else ahead
+    lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
+    ahead = max(1, ahead // (4 * p * block_words))   # blocks
     inv1, inv2 = 1.0 / RADIX, 1.0 / RADIX / RADIX
 
     def operand(q, jb, b, s, col):
@@ -152,10 +156,11 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec"):
                 for c in T.vectorized(p):
                     sums[c] = T.float32(0)
                 for b in range(blocks):
-                    for line in T.unroll(block_words * p // 16):
-                        T.evaluate(prefetch(
-                            qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
-                            n // p * words * p - 1))
+                    if lines > 0:   # (a Python bool: no loop at all without the prefetch)
+                        for line in T.unroll(lines):
+                            T.evaluate(prefetch(
+                                qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
+                                n // p * words * p - 1))
                     for h in T.unroll(parts):
                         for d, v in T.grid(DIGITS, part):
                             acc[T.ramp(d * span + v * lw, 1, lw)] = T.broadcast(off[r, d, b], lw)
