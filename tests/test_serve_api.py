@@ -140,7 +140,7 @@ def test_openai_client_errors(server):
     (b'{"prompt": "a", "top_p": 0}', 400, "top_p"),
     (b'{"prompt": [1, 256]}', 400, "[0, 256)"),
     (b'{"prompt": "a", "colour": 1}', 400, "unknown field 'colour'"),
-    (b'{"prompt": "a", "n": 2}', 400, "n:"),
+    (b'{"prompt": "a", "n": 3}', 400, "n must be an int in [1, 2]"),
     (b'{"prompt": ""}', 400, "must not be empty"),
     (b'{"prompt": "a", "session": {"resume": "../x"}}', 400, "session.resume"),
     (b'{"prompt": "a", "session": {"resume": "none-such"}}', 404, "no session"),

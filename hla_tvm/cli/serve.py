@@ -84,6 +84,11 @@ def add_arguments(p):
     p.add_argument("--prefill-piece", type=positive, default=256,
                    help="prompt tokens prefilled between two decode steps (bounds how long a "
                         "new prompt holds up the running streams)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja2 chat template (a Hugging Face tokenizer_config.json's "
+                        "chat_template, as a file) rendering /v1/chat/completions' messages "
+                        "(default: each message as 'role: content' on a line, then "
+                        "'assistant:')")
     p.add_argument("--name", default=None,
                    help="the model's name in the API (default: the module's file name)")
     p.add_argument("--shutdown-timeout", type=seconds, default=10.0,
@@ -92,6 +97,28 @@ def add_arguments(p):
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
+
+
+def read_chat_template(path):
+    """The text of the chat template file at `path` (None for None), checked to compile; one
+    line naming --chat-template otherwise."""
+    if path is None:
+        return None
+    from ..serve.chat import ChatTemplate, TemplateError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read(1 << 20 + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--chat-template {path}: cannot read it as UTF-8 text "
+                         f"({getattr(err, 'strerror', None) or err})") from None
+    if len(source) > 1 << 20:
+        raise ValueError(f"--chat-template {path}: larger than 1 MiB: not a chat template")
+    try:
+        ChatTemplate(source)
+    except TemplateError as err:
+        raise ValueError(f"--chat-template {path}: {err}") from None
+    return source
 
 
 def main(args):
@@ -117,6 +144,7 @@ def main(args):
     if args.sessions:
         check_sessions_folder(args.sessions)
     max_connections = connection_cap(args.max_connections)
+    template = read_chat_template(args.chat_template)
     model = load(args.module, threads=args.threads)
     args.max_streams = stream_slots(args.max_streams, model.max_batch)
     check_pool_memory(model, args.max_streams)
@@ -128,7 +156,8 @@ def main(args):
                          max_prompt=args.max_prompt, prefill_piece=args.prefill_piece,
                          shutdown_timeout=args.shutdown_timeout,
                          max_tokens=args.max_tokens,
-                         max_body=args.max_body, max_unread=args.max_unread)
+                         max_body=args.max_body, max_unread=args.max_unread,
+                         chat_template=template)
     except MemoryError:
         raise ValueError(f"--max-streams {args.max_streams}: the state of that many streams "
                          "does not fit in memory") from None

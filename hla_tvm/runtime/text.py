@@ -5,6 +5,7 @@ uses it; other models have no text, only token ids.
 
     c = codec(model.meta)            # None: token ids only
     ids = c.encode("some text")
+    c.token_text(ids[0])             # one token's text (as logprobs name it)
     decode = c.decoder()             # incremental: decode([id, ...]) -> the text they complete,
     text = decode(ids) + decode([], final=True)   # final=True flushes what is held back
 
@@ -30,6 +31,11 @@ class ByteText:
         from .generate import text_decoder
 
         return text_decoder()
+
+    def token_text(self, token):
+        """One token's text: its character, or "bytes:\\xNN" for a byte that is part of a
+        longer UTF-8 character (as OpenAI writes such tokens)."""
+        return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
 
 
 class TokenizerText:
@@ -58,6 +64,10 @@ class TokenizerText:
         def decode(ids, final=False):
             return "".join(piece for piece in (stream.step(tok, int(i)) for i in ids) if piece)
         return decode
+
+    def token_text(self, token):
+        """One token's text, decoded alone."""
+        return self.tokenizer.decode([int(token)], skip_special_tokens=False)
 
 
 def codec(meta):

@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API over an `engine.Engine` (FastAPI; uvicorn runs it, see
 `cli/serve.py`):
 
-    POST /v1/completions   prompt -> completion, whole or streamed (server-sent events)
+    POST /v1/completions   prompt(s) -> completion choices, whole or streamed (server-sent
+                           events)
+    POST /v1/chat/completions   messages (rendered by a chat template, `chat`) -> the same
+    POST /tokenize, /detokenize; GET /tokenizer_info   vLLM's tokenizer endpoints
     GET  /v1/models        the one model served
     GET  /health           {"status": "ok"}; with the key (or without --api-key) also the model,
                            the server (host:pid) and the stream counts
@@ -9,9 +12,10 @@
     GET  /openapi.json     the API's OpenAPI schema (with --api-key: needs the key)
 
 A completion takes `prompt` (text for models with text: byte-level, or compiled with a
-tokenizer; a list of token ids for any model),
-`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stream` (with
-`stream_options.include_usage`), and the extension `session`: {"resume": name} continues a saved
+tokenizer; a list of token ids for any model; or a list of such prompts, a choice each),
+`max_tokens` (0 with `echo`), `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stream` (with
+`stream_options.include_usage`), `n` (choices from one prefill), `logprobs` (0-5) and `echo`
+(`choices.Choices`, `logprobs`), and the extension `session`: {"resume": name} continues a saved
 stream and saves it back, {"fork": name} continues a copy, {"save": name} keeps the final state.
 Responses and streamed chunks are OpenAI's `text_completion` objects (each choice also carries
 `token_ids`); every error is OpenAI's {"error": {"message", "type", "param", "code"}}, counted
@@ -31,7 +35,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from typing import Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
@@ -50,7 +53,10 @@ from pydantic import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .chat import ChatTemplate, TemplateError, completion_fields
+from .choices import ChatFormat, Choices, TextFormat
 from .engine import Engine, QueueFull, Request
+from .logprobs import MAX_TOP
 from .metrics import Metrics
 from .sessions import UnknownSession, check_name
 
@@ -74,8 +80,8 @@ class CompletionRequest(BaseModel):
     OpenAI defines are accepted at their neutral values only)."""
     model_config = ConfigDict(extra="forbid")
     model: Optional[StrictStr] = None
-    prompt: Union[StrictStr, list[StrictInt]] = ""
-    max_tokens: StrictInt = 16
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]] = ""
+    max_tokens: Optional[StrictInt] = None
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt = 0
@@ -84,15 +90,31 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     session: Optional[SessionSpec] = None
-    n: Literal[1] = 1
+    n: StrictInt = 1
     best_of: Literal[1] = 1
-    echo: Literal[False] = False
-    logprobs: Literal[None] = None
+    echo: StrictBool = False
+    logprobs: Optional[StrictInt] = None
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     suffix: Literal[None] = None
     user: Optional[StrictStr] = None
     logit_bias: Optional[dict] = Field(default=None, max_length=0)
+
+
+class TokenizeRequest(BaseModel):
+    """The body of POST /tokenize (vLLM's fields)."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[StrictStr] = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """The body of POST /detokenize."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
 
 
 class APIError(Exception):
@@ -164,6 +186,19 @@ class Relay:
             queue.offer(event)
 
 
+def _merged(deltas):
+    """Text deltas [(index, text, ids, entries, None)] with those of each choice joined, in
+    the order of their first."""
+    out = {}
+    for index, text, ids, entries, _ in deltas:
+        if index in out:
+            _, t, i, e, _ = out[index]
+            out[index] = (index, t + text, i + list(ids), e + list(entries), None)
+        else:
+            out[index] = (index, text, list(ids), list(entries), None)
+    return list(out.values())
+
+
 def _validation_error(err):
     first = err.errors()[0]
     loc = ".".join(str(x) for x in first.get("loc", ()) if not isinstance(x, int)) or None
@@ -214,15 +249,18 @@ def _limit(value, what, *, allow_none=False):
 
 def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessions=None,
                api_key=None, max_prompt=8192, prefill_piece=256, shutdown_timeout=10.0,
-               max_tokens=DEFAULT_MAX_TOKENS, max_body=None, max_unread=DEFAULT_MAX_UNREAD):
+               max_tokens=DEFAULT_MAX_TOKENS, max_body=None, max_unread=DEFAULT_MAX_UNREAD,
+               chat_template=None):
     """The FastAPI application serving `model` (a CPU `runtime.CompiledModel`); its engine
     starts and stops with the application (lifespan).
 
     Limits: `max_prompt` prompt tokens, `max_tokens` the largest max_tokens a request may ask
     (400 above it), `max_body` request body bytes (413 above it; default
     `default_max_body(max_prompt)`), `max_unread` events a streaming client may leave unread
-    before its stream is cut (None: no bound)."""
+    before its stream is cut (None: no bound). `chat_template`: the Jinja2 source that renders
+    /v1/chat/completions' messages (None: `chat.DEFAULT`)."""
     api_key = check_api_key(api_key)
+    template = ChatTemplate(chat_template)
     max_tokens = _limit(max_tokens, "max_tokens")
     max_body = _limit(default_max_body(max_prompt) if max_body is None else max_body,
                       "max_body")
@@ -318,6 +356,54 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "hla_tvm"}]}
 
+    async def small_body(http, model_type):
+        """The request body as `model_type`, refused with 400 as `parse` refuses."""
+        body = await read_body(http)
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise APIError(400, f"the request body is not valid JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return model_type.model_validate(data)
+        except (ValidationError, RecursionError) as err:
+            raise (_validation_error(err) if isinstance(err, ValidationError) else APIError(
+                400, "the request body nests JSON too deeply")) from None
+
+    def has_text(what):
+        if model.text is None:
+            raise APIError(400, f"{what}: this model has no tokenizer (it takes and gives "
+                           "token ids: it is not byte-level and was compiled without one)")
+
+    # vLLM's tokenizer endpoints (lm-evaluation-harness's `tokenizer_backend=remote` reads them)
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(http: HTTPRequest):
+        req = await small_body(http, TokenizeRequest)
+        has_text("/tokenize")
+        ids = model.text.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": max_prompt, "tokens": ids,
+                "token_strs": [model.text.token_text(t) for t in ids]
+                if req.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(http: HTTPRequest):
+        req = await small_body(http, DetokenizeRequest)
+        has_text("/detokenize")
+        bad = [t for t in req.tokens if not 0 <= t < (model.vocab_size or 2 ** 63)]
+        if bad:
+            raise APIError(400, f"tokens must lie in [0, {model.vocab_size}), got {bad[0]}",
+                           param="tokens")
+        return {"prompt": ids_text(req.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
+    async def tokenizer_info():
+        has_text("/tokenizer_info")
+        return {"tokenizer_class": "ByteLevel" if model.text.kind == "bytes" else
+                "PreTrainedTokenizerFast", "vocab_size": model.vocab_size,
+                "model_max_length": max_prompt, "bos_token": None, "eos_token": None,
+                "pad_token": None, "chat_template": template.source}
+
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi():
         return JSONResponse(app.openapi())
@@ -346,7 +432,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             raise Gone() from None
         return b"".join(parts)
 
-    def parse(body):
+    def parse(body, chat=False):
         try:
             data = json.loads(body)
         except RecursionError:
@@ -355,13 +441,26 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             raise APIError(400, f"the request body is not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if chat:
+            try:
+                data = completion_fields(data, template)
+            except RecursionError:
+                raise APIError(400, "the request body nests JSON too deeply") from None
+            except ValidationError as err:
+                raise _validation_error(err) from None
+            except ValueError as err:   # (a TemplateError too)
+                param = "messages" if isinstance(err, TemplateError) else \
+                    str(err).split(":")[0]
+                raise APIError(400, str(err), param=param) from None
         try:
             req = CompletionRequest.model_validate(data)
         except RecursionError:
             raise APIError(400, "the request body nests JSON too deeply") from None
         except ValidationError as err:
             raise _validation_error(err) from None
-        for field, texts in (("prompt", [req.prompt] if isinstance(req.prompt, str) else []),
+        single = isinstance(req.prompt, str) or all(isinstance(t, int) for t in req.prompt)
+        prompts = [req.prompt] if single else req.prompt
+        for field, texts in (("prompt", [p for p in prompts if isinstance(p, str)]),
                              ("stop", [req.stop] if isinstance(req.stop, str)
                               else list(req.stop or []))):
             for text in texts:
@@ -374,30 +473,33 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         if req.model is not None and req.model != name:
             raise APIError(404, f"model {req.model!r} is not served here (this server serves "
                            f"{name!r})", param="model", code="model_not_found")
+        if req.max_tokens is None:
+            req.max_tokens = 16   # (OpenAI's default)
         if req.max_tokens > max_tokens:
             raise APIError(400, f"max_tokens is {req.max_tokens}; this server gives at most "
                            f"{max_tokens} tokens an answer", param="max_tokens")
-        if isinstance(req.prompt, str):
-            if model.text is None:
-                raise APIError(400, "this model takes prompts as lists of token ids (it is not "
-                               "byte-level and was compiled without a tokenizer)",
-                               param="prompt")
-            ids = model.text.encode(req.prompt)
-        else:
-            ids = req.prompt
-            bad = [t for t in ids if not 0 <= t < (model.vocab_size or 2 ** 63)]
-            if bad:
-                raise APIError(400, f"prompt token ids must lie in [0, {model.vocab_size}), "
-                               f"got {bad[0]}", param="prompt")
-        if len(ids) > max_prompt:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
-                           f"{max_prompt}", param="prompt", code="context_length_exceeded")
+        if req.max_tokens < 0 or (req.max_tokens == 0 and not req.echo):
+            raise APIError(400, f"max_tokens must be a positive int (0 only with echo), got "
+                           f"{req.max_tokens}", param="max_tokens")
+        if not 1 <= req.n <= max_streams:
+            raise APIError(400, f"n must be an int in [1, {max_streams}] (this server's "
+                           f"--max-streams), got {req.n}", param="n")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP:
+            raise APIError(400, f"logprobs must be an int in [0, {MAX_TOP}], got "
+                           f"{req.logprobs}", param="logprobs")
+        if not prompts:
+            raise APIError(400, "prompt must not be an empty list", param="prompt")
+        if len(prompts) > engine.max_streams + engine.max_queue:
+            raise APIError(400, f"prompt holds {len(prompts)} prompts; this server takes at "
+                           f"most {engine.max_streams + engine.max_queue} in one request",
+                           param="prompt")
         spec = req.session or SessionSpec()
         if (spec.resume or spec.fork or spec.save) and sessions is None:
             raise APIError(400, "this server keeps no sessions (start it with --sessions DIR)",
                            param="session")
-        if not ids and not (spec.resume or spec.fork):
-            raise APIError(400, "prompt must not be empty", param="prompt")
+        if (spec.resume or spec.fork or spec.save) and (len(prompts) > 1 or req.n > 1):
+            raise APIError(400, "a session continues one stream: give one prompt and n = 1",
+                           param="session")
         for key in ("resume", "fork", "save"):
             value = getattr(spec, key)
             if value is not None:
@@ -412,13 +514,48 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         if len(stop) > 4:
             raise APIError(400, "stop takes at most 4 strings", param="stop")
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
-        try:
-            return req, Request(ids, req.max_tokens, temperature=req.temperature,
-                                top_k=req.top_k, top_p=req.top_p, seed=seed, stop=stop,
-                                resume=spec.resume, fork=spec.fork, save=spec.save)
-        except ValueError as err:
-            param = str(err).split(" ")[0]
-            raise APIError(400, str(err), param=param) from None
+        out = []
+        for prompt in prompts:
+            ids = prompt_ids(prompt)
+            if not ids and not (spec.resume or spec.fork):
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            try:
+                out.append(Request(ids, req.max_tokens, temperature=req.temperature,
+                                   top_k=req.top_k, top_p=req.top_p, seed=seed, stop=stop,
+                                   resume=spec.resume, fork=spec.fork, save=spec.save,
+                                   logprobs=req.logprobs, echo=req.echo, n=req.n))
+            except ValueError as err:
+                param = str(err).split(" ")[0]
+                raise APIError(400, str(err), param=param) from None
+            out[-1].echo_text = (prompt if isinstance(prompt, str) else ids_text(ids)) \
+                if req.echo else None
+        return req, out
+
+    def prompt_ids(prompt):
+        """The token ids of one prompt (text, or ids checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            if model.text is None:
+                raise APIError(400, "this model takes prompts as lists of token ids (it is not "
+                               "byte-level and was compiled without a tokenizer)",
+                               param="prompt")
+            ids = model.text.encode(prompt)
+        else:
+            ids = prompt
+            bad = [t for t in ids if not 0 <= t < (model.vocab_size or 2 ** 63)]
+            if bad:
+                raise APIError(400, f"prompt token ids must lie in [0, {model.vocab_size}), "
+                               f"got {bad[0]}", param="prompt")
+        if len(ids) > max_prompt:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
+                           f"{max_prompt}", param="prompt", code="context_length_exceeded")
+        return ids
+
+    def ids_text(ids):
+        """The text of token ids as the stream writes it (`engine.Engine`)."""
+        if model.text is None:
+            return "".join(f"{t} " for t in ids)
+        decode = model.text.decoder()
+        return decode(ids) + decode([], final=True)
 
     def hold(req):
         """Hold the session `req` writes (its save name: a resume saves back) until it ends;
@@ -454,43 +591,64 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(http: HTTPRequest):
-        body, req = parse(await read_body(http))
+        body, reqs = parse(await read_body(http))
+        return await answer_choices(http, body, reqs, TextFormat)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(http: HTTPRequest):
+        body, reqs = parse(await read_body(http), chat=True)
+        return await answer_choices(http, body, reqs, ChatFormat)
+
+    async def answer_choices(http, body, reqs, form):
+        """Run the engine requests `reqs` of the request `body` and answer their choices in
+        the format `form` (`TextFormat`, `ChatFormat`), whole or streamed."""
         if getattr(http.app.state, "relay", None) is None:   # (a host that runs no lifespan)
             http.app.state.relay = Relay(asyncio.get_running_loop())
             engine.start()
         relay = http.app.state.relay
 
+        def cancel():
+            for req in reqs:
+                engine.cancel(req)
+
         def on_cut():
             metrics.cut.inc()
-            engine.cancel(req)
+            cancel()
         events = Events(max_unread, on_cut)
-        holding = hold(req)
+        holding = hold(reqs[0])
 
-        def on_event(ev):
-            if ev["type"] != "text":
-                release(holding)   # (the session is saved: the engine is done with it)
-            relay.send(events, ev)
-        req.on_event = on_event
+        def listener(prompt):
+            def on_event(ev):
+                if ev["type"] not in ("text", "echo"):
+                    release(holding)   # (the session is saved: the engine is done with it)
+                ev["prompt"] = prompt
+                relay.send(events, ev)
+            return on_event
+        for i, req in enumerate(reqs):
+            req.on_event = listener(i)
         try:
-            engine.submit(req)
+            engine.submit(*reqs)
         except QueueFull as err:
             release(holding)
             raise APIError(429, f"the server is busy: {err}; retry later",
                            type_="rate_limit_error", code="busy",
                            headers={"Retry-After": "1"}) from None
-        cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        gather = Choices(body.n, [r.echo_text for r in reqs], logprobs=body.logprobs,
+                         token_text=model.text.token_text if model.text else
+                         (lambda t: f"{t} "))
+        fmt = form(gather, name)
+        # one prompt, one choice, no log-probabilities: each streamed text chunk is a template
+        # around its text and ids (json.dumps of the whole chunk per token was a tenth of a
+        # stream's serving time)
+        plain = form is TextFormat and len(reqs) == 1 and body.n == 1 and \
+            body.logprobs is None and not body.echo
+        chunk = fmt.chunk
 
-        def chunk(text, reason=None, ids=()):
-            return {"id": cid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"text": text, "index": 0, "logprobs": None,
-                                 "finish_reason": reason, "token_ids": list(ids)}]}
-
-        # a streamed text chunk is this template around its text and ids (json.dumps of the
-        # whole chunk per token was a tenth of a stream's serving time)
-        head, tail = json.dumps(chunk("\0", None, [0])).split('"\\u0000"')
-        head = "data: " + head
-        middle, tail = tail.split("[0]")
-        tail += "\n\n"
+        if plain:
+            head, tail = json.dumps(chunk([(0, "\0", [0], [], None)])).split('"\\u0000"')
+            head = "data: " + head
+            middle, tail = tail.split("[0]")
+            tail += "\n\n"
 
         def text_event(text, ids):
             return f"{head}{json.dumps(text)}{middle}[{', '.join(map(str, ids))}]{tail}"
@@ -500,7 +658,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             for a whole answer; a stream's response is cancelled by the server itself)."""
             while not await http.is_disconnected():
                 await asyncio.sleep(0.25)
-            engine.cancel(req)
+            cancel()
 
         async def next_event():
             """The engine's next event, the client watched meanwhile (`watch`)."""
@@ -510,29 +668,33 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             finally:
                 watcher.cancel()
 
+        def failure(ev):
+            """The APIError of an "error" or "cut" event (the other requests cancelled), or
+            None."""
+            if ev["type"] not in ("error", "cut"):
+                return None
+            cancel()
+            return run_error(ev["error"]) if ev["type"] == "error" else cut_error
+
         first = await next_event()
-        if first["type"] == "error":
-            raise run_error(first["error"])
-        if first["type"] == "cut":
-            raise cut_error
+        err = failure(first)
+        if err is not None:
+            raise err
         if not body.stream:
-            parts, ids, ev = [], [], first
+            ev = first
             watcher = asyncio.ensure_future(watch())
             try:
-                while ev["type"] == "text":
-                    parts.append(ev["text"])
-                    ids += ev["ids"]
+                while True:
+                    err = failure(ev)
+                    if err is not None:
+                        raise err
+                    gather.add(ev["prompt"], ev)
+                    if gather.done():
+                        break
                     ev = await events.get()
             finally:
                 watcher.cancel()
-            text = "".join(parts)
-            if ev["type"] == "error":
-                raise run_error(ev["error"])
-            if ev["type"] == "cut":
-                raise cut_error
-            out = chunk(text, ev["finish_reason"], ids)
-            out["usage"] = ev["usage"]
-            return JSONResponse(out, headers={"X-HLA-TVM-Server": server})
+            return JSONResponse(fmt.whole(), headers={"X-HLA-TVM-Server": server})
 
         usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -540,35 +702,43 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
             ev = first
             try:
                 while True:
-                    # the text events waiting now go out as one chunk (a client that reads
-                    # slower than the engine writes gets fewer, larger chunks)
-                    text, ids = "", []
-                    while ev["type"] == "text":
-                        text, ids = text + ev["text"], ids + ev["ids"]
-                        if events.empty():
+                    # the events waiting now go out as one chunk (a client that reads slower
+                    # than the engine writes gets fewer, larger chunks)
+                    deltas = []
+                    while True:
+                        err = failure(ev)
+                        if err is not None:
+                            break
+                        deltas += gather.add(ev["prompt"], ev)
+                        if gather.done() or events.empty():
                             break
                         ev = events.get_nowait()
                     # (from here until the next event is awaited, the loop runs on only when
                     # a send blocks: events that wait meanwhile wait for a slow reader)
                     events.writing = True
-                    if ids:
-                        yield text_event(text, ids)
-                    if ev["type"] == "done":
-                        yield f"data: {json.dumps(chunk('', ev['finish_reason']))}\n\n"
+                    texts = [d for d in deltas if d[4] is None]
+                    if plain and texts:
+                        yield text_event("".join(d[1] for d in texts),
+                                         [t for d in texts for t in d[2]])
+                    elif texts:
+                        yield f"data: {json.dumps(chunk(_merged(texts)))}\n\n"
+                    ends = [d for d in deltas if d[4] is not None]
+                    if ends:
+                        yield f"data: {json.dumps(chunk(ends))}\n\n"
+                    if err is not None:
+                        yield "data: " + json.dumps(err.body()) + "\n\n"
+                        return
+                    if gather.done():
                         if usage:
-                            last = chunk("")
-                            last["choices"], last["usage"] = [], ev["usage"]
+                            last = chunk([])
+                            last["usage"] = gather.usage
                             yield f"data: {json.dumps(last)}\n\n"
                         yield "data: [DONE]\n\n"
-                        return
-                    if ev["type"] in ("error", "cut"):
-                        err = run_error(ev["error"]) if ev["type"] == "error" else cut_error
-                        yield "data: " + json.dumps(err.body()) + "\n\n"
                         return
                     events.writing = False
                     ev = await events.get()
             finally:
-                engine.cancel(req)   # (a no-op once it is done; frees the slot when not)
+                cancel()   # (a no-op once it is done; frees the slots when not)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",

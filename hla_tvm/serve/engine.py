@@ -12,8 +12,14 @@ gone). Each stream samples with its own temperature, top-k, top-p and seeded gen
     engine.cancel(req)      # its slot is freed at the next step
     engine.stop(timeout)    # finish or cancel what runs, then end the thread
 
-Events, from the engine's thread: {"type": "text", "text", "ids"}, then one {"type": "done",
-"finish_reason": "length"|"stop"|"cancelled", "usage"} or {"type": "error", "error": exc}.
+Events, from the engine's thread: {"type": "text", "text", "ids", "choice"}, then one
+{"type": "done", "finish_reason": "length"|"stop"|"cancelled", "usage", "choice"} per choice, or
+{"type": "error", "error": exc}. With `logprobs=k` text events also carry "logprobs": [(id,
+logprob, {id: logprob of the k most likely})] for their ids (`logprobs.scores`); with `echo` the
+first one is {"type": "echo", "ids": the prompt, "logprobs": the prompt's, the first (id, None,
+None)}, sent once before the choices' text. `n` choices share one prefill: its state is copied
+into n rows of the pool, each choice drawing with its own generator (choice 0 from `seed`,
+choice i from [seed, i]).
 Sessions: a request may start from a saved state (`resume` or `fork`) and save its final state
 (`save`; `resume` saves back under its name); the state keeps every token the stream was given
 or chose, the last chosen one as pending (fed first when the session continues)."""
@@ -26,8 +32,9 @@ import time
 
 import numpy as np
 
-from ..runtime.generate import check_sampling, pick, pick_rows
+from ..runtime.generate import check_sampling, pick_rows
 from ..runtime.state_pool import StatePool
+from .logprobs import MAX_TOP, scores
 
 
 class QueueFull(RuntimeError):
@@ -39,12 +46,25 @@ class Request:
     token), sampling parameters, `stop` strings, session names and the event callback."""
 
     def __init__(self, prompt, max_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                 stop=(), resume=None, fork=None, save=None, on_event=None):
+                 stop=(), resume=None, fork=None, save=None, on_event=None, logprobs=None,
+                 echo=False, n=1):
         check_sampling(temperature, top_k, seed, top_p)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0 \
+                or (max_tokens == 0 and not echo):
+            raise ValueError(f"max_tokens must be a positive int (0 only with echo), got "
+                             f"{max_tokens!r}")
         if resume is not None and fork is not None:
             raise ValueError("give one of session resume and fork, not both")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
+                logprobs, int) or not 0 <= logprobs <= MAX_TOP):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_TOP}], got {logprobs!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if n > 1 and (resume or fork or save):
+            raise ValueError("session: a request with n > 1 choices keeps no session")
+        self.logprobs, self.echo, self.n, self.choice = logprobs, bool(echo), n, 0
+        self.forks = []   # choices 1 .. n-1 (`Engine._fork`)
+        self.echoed = None   # the prompt's log-probability entries, while it is prefilled
         self.prompt = [int(t) for t in prompt]
         self.max_tokens, self.temperature, self.top_k, self.top_p = \
             max_tokens, float(temperature), top_k, float(top_p)
@@ -103,19 +123,21 @@ class Engine:
                 self._thread.start()
         return self
 
-    def submit(self, req):
+    def submit(self, *reqs):
+        """Queue the requests, all or none (QueueFull)."""
         with self._cv:
             if self._stop:
                 raise QueueFull("the server is shutting down")
             held = len(self.active) + len(self.joining) + len(self.waiting)
-            if held >= self.max_streams + self.max_queue:
+            if held + len(reqs) > self.max_streams + self.max_queue:
                 raise QueueFull(f"all {self.max_streams} streams are busy and "
                                 f"{len(self.waiting)} requests wait")
-            self.waiting.append(req)
+            self.waiting.extend(reqs)
             self._cv.notify()
 
     def cancel(self, req):
-        req.cancelled = True
+        for choice in [req] + req.forks:
+            choice.cancelled = True
         with self._cv:
             self._cv.notify()
 
@@ -165,7 +187,9 @@ class Engine:
                 self._step()
 
     def _admit(self):
-        while self.waiting and len(self.active) + len(self.joining) < self.max_streams:
+        # (a request takes a slot for each of its choices from the start)
+        while self.waiting and len(self.active) + sum(r.n for r in self.joining) + \
+                min(self.waiting[0].n, self.max_streams) <= self.max_streams:
             req = self.waiting.popleft()
             if req.cancelled:
                 self._finish(req, "cancelled")
@@ -191,6 +215,11 @@ class Engine:
                              "token; this one has none)")
         req.prompt_tokens = len(req.prompt)
         req.decode_text = self.model.text.decoder() if self.model.text else None
+        # an echo's log-probabilities: the rows before each prompt token (the first has none)
+        req.skip = len(pending)   # tokens fed before the prompt
+        req.echoed = [(req.prompt[0], None, None)] if req.echo and req.prompt and \
+            not pending else []
+        req.before = None   # logits of the token before the piece (the last piece's last)
 
     def _prefill_piece(self, req):
         if req.cancelled:
@@ -198,23 +227,78 @@ class Engine:
             self._finish(req, "cancelled")
             return
         try:
+            fed = len(req.prompt) + req.skip - len(req.todo)   # tokens fed before the piece
             piece, req.todo = req.todo[:self.piece], req.todo[self.piece:]
+            scored = req.echo and req.logprobs is not None
             logits, req.state = self.model.prefill(np.array([piece], np.int64), req.state,
-                                                   logits="last")
+                                                   logits="all" if scored else "last")
+            if scored:
+                self._score_prompt(req, logits[0], piece, fed)
+                logits = logits[:, -1]
             if req.todo:
                 return
             self.joining.popleft()
-            tok = pick(logits[0], req.temperature, req.top_k, req.rng, req.top_p)
-            if self._choose(req, tok):
-                self._finish(req)
+            if req.echo:
+                req.emit({"type": "echo", "ids": req.prompt, "logprobs": req.echoed})
+                req.echoed = None
+            if req.max_tokens == 0:
+                self._finish(req, "length")
                 return
-            req.row = self.pool.add(req.state)
+            choices = self._fork(req)
+            toks = pick_rows(np.repeat(logits, len(choices), axis=0),
+                             [c.temperature for c in choices], [c.top_k for c in choices],
+                             [c.top_p for c in choices], [c.rng for c in choices])
+            for choice, tok, entry in zip(choices, toks, self._scores(choices, logits, toks)):
+                if self._choose(choice, tok, entry):
+                    self._finish(choice)
+                    continue
+                choice.row = self.pool.add(req.state)
+                self.active.append(choice)
             req.state = None
-            self.active.append(req)
         except Exception as err:  # noqa: BLE001 - reported to its client
             if req in self.joining:
                 self.joining.remove(req)
             req.emit({"type": "error", "error": err})
+
+    def _score_prompt(self, req, rows, piece, fed):
+        """Add the log-probabilities of the prompt tokens in `piece` (after `fed` tokens of the
+        request, a session's pending ones first) under the logits `rows` [T, vocab] of the
+        piece to `req.echoed`: the row before piece[i] is rows[i - 1], or for i = 0 the last
+        row of the piece before."""
+        rows = np.asarray(rows)
+        if req.before is None:
+            prev, shift = rows[:-1], 1
+        else:
+            prev, shift = np.concatenate([req.before[None], rows[:-1]]), 0
+        at = [i for i in range(shift, len(piece)) if fed + i >= max(req.skip, 1)]
+        req.echoed += scores(prev[[i - shift for i in at]], [piece[i] for i in at],
+                             req.logprobs)
+        req.before = rows[-1]
+
+    def _fork(self, req):
+        """The request's n choices: itself and n - 1 copies, each with its own generator."""
+        for i in range(1, req.n):
+            choice = Request(req.prompt, req.max_tokens, temperature=req.temperature,
+                             top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop,
+                             on_event=req.on_event, logprobs=req.logprobs)
+            choice.choice, choice.rng = i, np.random.default_rng([req.seed, i])
+            choice.decode_text = self.model.text.decoder() if self.model.text else None
+            choice.prompt_tokens, choice.cancelled = req.prompt_tokens, req.cancelled
+            req.forks.append(choice)
+        return [req] + req.forks
+
+    @staticmethod
+    def _scores(choices, logits, toks):
+        """Each choice's log-probability entry of its token `toks[i]` under `logits` [1 or
+        len(choices), vocab] (None for a choice that asks none)."""
+        rows = np.asarray(logits)
+        out = [None] * len(choices)
+        for k in {c.logprobs for c in choices if c.logprobs is not None}:
+            at = [i for i, c in enumerate(choices) if c.logprobs == k]
+            picked = rows[[i if len(rows) > 1 else 0 for i in at]]
+            for i, entry in zip(at, scores(picked, [toks[i] for i in at], k)):
+                out[i] = entry
+        return out
 
     def _step(self):
         t0 = time.perf_counter()
@@ -224,17 +308,19 @@ class Engine:
         act = self.active
         chosen = pick_rows(logits, [r.temperature for r in act], [r.top_k for r in act],
                            [r.top_p for r in act], [r.rng for r in act])
-        done = [r for r, tok in zip(act, chosen) if self._choose(r, tok)]
+        entries = self._scores(act, logits, chosen)
+        done = [r for r, tok, e in zip(act, chosen, entries) if self._choose(r, tok, e)]
         for req in done:
             self._leave(req)
             self._finish(req)
         if self.metrics is not None:
             self.metrics.step(self.step_seconds, len(tokens))
 
-    def _choose(self, req, tok):
-        """Take `tok` as the request's next token and send its text; True when the request is
-        done (its finish reason set). Text that could be the start of a stop string is held
-        back until it is not."""
+    def _choose(self, req, tok, entry=None):
+        """Take `tok` as the request's next token and send its text (with its log-probability
+        `entry` where the request asks for them); True when the request is done (its finish
+        reason set). Text that could be the start of a stop string is held back until it is
+        not."""
         req.last = tok
         req.ids.append(tok)
         held = req.held + (req.decode_text([tok]) if req.decode_text else f"{tok} ")
@@ -249,7 +335,10 @@ class Engine:
                 held += req.decode_text([], final=True)
         cut = len(held) if reason is not None else max(0, len(held) - req.hold)
         req.held = held[cut:]
-        req.emit({"type": "text", "text": held[:cut], "ids": [tok]})
+        event = {"type": "text", "text": held[:cut], "ids": [tok], "choice": req.choice}
+        if entry is not None:
+            event["logprobs"] = [entry]
+        req.emit(event)
         req.finish_reason = reason
         return reason is not None
 
@@ -284,4 +373,5 @@ class Engine:
         req.state = None
         if self.metrics is not None:
             self.metrics.finished(reason, len(req.ids))
-        req.emit({"type": "done", "finish_reason": reason, "usage": usage})
+        req.emit({"type": "done", "finish_reason": reason, "usage": usage,
+                  "choice": req.choice})
