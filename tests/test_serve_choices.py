@@ -142,6 +142,12 @@ def test_n_choices_from_one_prefill(server, model):
     ({"prompt": []}, "must not be empty"),
     ({"prompt": [[1, 2], []]}, "must not be empty"),
     ({"prompt": [[1, 2], [300]]}, "[0, 256)"),
+    ({"prompt": "a", "logit_bias": {"300": 1}}, "logit_bias token ids must lie in [0, 256)"),
+    ({"prompt": "a", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
+    ({"prompt": "a", "logit_bias": {"3": 101}}, "[-100, 100]"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty must lie in [-2, 2]"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty must lie in (0, 10]"),
+    ({"prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens must be an int in"),
 ])
 def test_refused_in_one_line(server, body, words):
     r = httpx.post(server + "/v1/completions", json=body, timeout=30)
@@ -204,3 +210,56 @@ def test_a_chat_template_that_does_not_compile_is_refused(module_path, tmp_path)
                         "--chat-template", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--chat-template" in r.stderr and "compile" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _greedy_with(model, prompt, steps, adjust):
+    """Greedy token ids after `prompt` with each step's float64 logits changed by
+    `adjust(row, generated so far)`: the serial loop over the module the server's rules must
+    match."""
+    logits, state = model.prefill(np.array([prompt], np.int64), model.init_state(1),
+                                  logits="last")
+    out = []
+    for _ in range(steps):
+        row = adjust(np.asarray(logits[0], np.float64), out)
+        out.append(int(row.argmax()))
+        logits, state = model.decode(np.array([out[-1]], np.int64), state)
+    return out
+
+
+def test_penalties_bias_and_min_tokens(server, model):
+    """presence/frequency penalties (OpenAI's), repetition_penalty (HF's), logit_bias and
+    min_tokens, greedy, against the serial loop applying the same formulas in float64; the
+    reported logprobs stay those of the raw logits."""
+    prompt = list(b"x = x + x")
+    vocab = 256
+
+    def penalised(row, out):
+        counts = np.bincount(np.asarray(out, np.int64), minlength=vocab)
+        return row - 1.5 * counts - 0.5 * (counts > 0)
+
+    def repeated(row, out):
+        seen = np.zeros(vocab, bool)
+        seen[prompt + out] = True
+        row[seen] = np.where(row[seen] > 0, row[seen] / 1.8, row[seen] * 1.8)
+        return row
+
+    base = {"prompt": "x = x + x", "max_tokens": 12, "temperature": 0}
+    for fields, adjust in (({"frequency_penalty": 1.5, "presence_penalty": 0.5}, penalised),
+                           ({"repetition_penalty": 1.8}, repeated)):
+        got = post(server, dict(base, **fields))["choices"][0]["token_ids"]
+        assert got == _greedy_with(model, prompt, 12, adjust), fields
+        assert got != _greedy_with(model, prompt, 12, lambda row, out: row)
+    biased = post(server, dict(base, logit_bias={"65": 100}, logprobs=0))["choices"][0]
+    assert biased["text"] == "A" * 12
+    raw = log_softmax(model, prompt + [65])[-2]
+    assert abs(biased["logprobs"]["token_logprobs"][0] - raw[65]) <= 1e-5
+    # min_tokens: a stop string is looked for only in the text after the first min_tokens - 1
+    plain = bytes(_greedy_with(model, prompt, 8, lambda row, out: row)).decode()
+    stop = plain[0]
+    early = post(server, dict(base, max_tokens=8, stop=[stop]))["choices"][0]
+    assert early["text"] == "" and early["finish_reason"] == "stop"
+    late = post(server, dict(base, max_tokens=8, stop=[stop], min_tokens=4))["choices"][0]
+    rest = plain[3:]
+    want = plain[:3] + rest.split(stop)[0]
+    assert late["text"] == want
+    assert late["finish_reason"] == ("stop" if stop in rest else "length")

@@ -43,7 +43,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Field,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -56,6 +55,7 @@ from starlette.requests import ClientDisconnect
 from .chat import ChatTemplate, TemplateError, completion_fields
 from .choices import ChatFormat, Choices, TextFormat
 from .engine import Engine, QueueFull, Request
+from .logit_rules import check as check_rules
 from .logprobs import MAX_TOP
 from .metrics import Metrics
 from .sessions import UnknownSession, check_name
@@ -94,11 +94,13 @@ class CompletionRequest(BaseModel):
     best_of: Literal[1] = 1
     echo: StrictBool = False
     logprobs: Optional[StrictInt] = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Number = 0
+    frequency_penalty: Number = 0
+    repetition_penalty: Number = 1.0
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    min_tokens: StrictInt = 0
     suffix: Literal[None] = None
     user: Optional[StrictStr] = None
-    logit_bias: Optional[dict] = Field(default=None, max_length=0)
 
 
 class TokenizeRequest(BaseModel):
@@ -514,6 +516,22 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         if len(stop) > 4:
             raise APIError(400, "stop takes at most 4 strings", param="stop")
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(tok): value for tok, value in req.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
+        try:
+            check_rules(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                        bias, model.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), param=str(err).split(" ")[0]) from None
+        rules = dict(presence_penalty=req.presence_penalty,
+                     frequency_penalty=req.frequency_penalty,
+                     repetition_penalty=req.repetition_penalty, logit_bias=bias,
+                     min_tokens=req.min_tokens)
         out = []
         for prompt in prompts:
             ids = prompt_ids(prompt)
@@ -523,7 +541,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                 out.append(Request(ids, req.max_tokens, temperature=req.temperature,
                                    top_k=req.top_k, top_p=req.top_p, seed=seed, stop=stop,
                                    resume=spec.resume, fork=spec.fork, save=spec.save,
-                                   logprobs=req.logprobs, echo=req.echo, n=req.n))
+                                   logprobs=req.logprobs, echo=req.echo, n=req.n, **rules))
             except ValueError as err:
                 param = str(err).split(" ")[0]
                 raise APIError(400, str(err), param=param) from None

@@ -87,8 +87,11 @@ class ChatRequest(BaseModel):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = None
     user: Optional[StrictStr] = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Union[StrictInt, StrictFloat] = 0
+    frequency_penalty: Union[StrictInt, StrictFloat] = 0
+    repetition_penalty: Union[StrictInt, StrictFloat] = 1.0
+    logit_bias: Optional[dict[StrictStr, Union[StrictInt, StrictFloat]]] = None
+    min_tokens: StrictInt = 0
 
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format",
@@ -106,8 +109,10 @@ def completion_fields(data, template):
     req = ChatRequest.model_validate(data)
     if req.top_logprobs is not None and not req.logprobs:
         raise ValueError("top_logprobs: give it with logprobs: true")
-    out = {key: getattr(req, key) for key in ("model", "temperature", "top_p", "top_k", "seed",
-                                               "stop", "stream", "stream_options", "n", "user")}
+    out = {key: getattr(req, key) for key in (
+        "model", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+        "n", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "min_tokens")}
     out["stream_options"] = req.stream_options
     out["prompt"] = template.render([{"role": m.role, "content": m.text()}
                                      for m in req.messages])

@@ -2,8 +2,9 @@
 token per step (one decode call over the `runtime.state_pool.StatePool`), prefills new requests
 in pieces between steps (a long prompt holds the running streams up by one piece at most), and
 lets streams join at a step boundary and leave when done (max_tokens, a stop string, the client
-gone). Each stream samples with its own temperature, top-k, top-p and seeded generator
-(`runtime.generate.pick`), so its tokens do not depend on the streams beside it.
+gone). Each stream samples with its own temperature, top-k, top-p, logit rules (penalties,
+bias: `logit_rules`) and seeded generator (`runtime.generate.pick_rows`), so its tokens do not
+depend on the streams beside it.
 
     engine = Engine(model, max_streams=64, sessions=SessionStore(...))
     engine.start()
@@ -34,7 +35,14 @@ import numpy as np
 
 from ..runtime.generate import check_sampling, pick_rows
 from ..runtime.state_pool import StatePool
+from .logit_rules import LogitRules, adjusted, check as check_rules
 from .logprobs import MAX_TOP, scores
+
+
+def _rule_args(fields):
+    """Request's keyword arguments for the logit rules' `fields`."""
+    return {"presence_penalty": fields["presence"], "frequency_penalty": fields["frequency"],
+            "repetition_penalty": fields["repetition"], "logit_bias": fields["bias"]}
 
 
 class QueueFull(RuntimeError):
@@ -47,8 +55,19 @@ class Request:
 
     def __init__(self, prompt, max_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                  stop=(), resume=None, fork=None, save=None, on_event=None, logprobs=None,
-                 echo=False, n=1):
+                 echo=False, n=1, min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0,
+                 repetition_penalty=1.0, logit_bias=None):
         check_sampling(temperature, top_k, seed, top_p)
+        check_rules(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or \
+                not 0 <= min_tokens <= max(max_tokens, 0):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got "
+                             f"{min_tokens!r}")
+        self.min_tokens = min_tokens
+        # (the logit rules' fields, built into `rules` for the model's vocabulary at start)
+        self.rule_fields = dict(presence=presence_penalty, frequency=frequency_penalty,
+                                repetition=repetition_penalty, bias=logit_bias)
+        self.rules = None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0 \
                 or (max_tokens == 0 and not echo):
             raise ValueError(f"max_tokens must be a positive int (0 only with echo), got "
@@ -215,6 +234,8 @@ class Engine:
                              "token; this one has none)")
         req.prompt_tokens = len(req.prompt)
         req.decode_text = self.model.text.decoder() if self.model.text else None
+        if LogitRules.wanted(**req.rule_fields):
+            req.rules = LogitRules(self.model.vocab_size, req.todo, **req.rule_fields)
         # an echo's log-probabilities: the rows before each prompt token (the first has none)
         req.skip = len(pending)   # tokens fed before the prompt
         req.echoed = [(req.prompt[0], None, None)] if req.echo and req.prompt and \
@@ -245,7 +266,8 @@ class Engine:
                 self._finish(req, "length")
                 return
             choices = self._fork(req)
-            toks = pick_rows(np.repeat(logits, len(choices), axis=0),
+            toks = pick_rows(adjusted(np.repeat(logits, len(choices), axis=0),
+                                      [c.rules for c in choices]),
                              [c.temperature for c in choices], [c.top_k for c in choices],
                              [c.top_p for c in choices], [c.rng for c in choices])
             for choice, tok, entry in zip(choices, toks, self._scores(choices, logits, toks)):
@@ -280,8 +302,10 @@ class Engine:
         for i in range(1, req.n):
             choice = Request(req.prompt, req.max_tokens, temperature=req.temperature,
                              top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop,
-                             on_event=req.on_event, logprobs=req.logprobs)
+                             on_event=req.on_event, logprobs=req.logprobs,
+                             min_tokens=req.min_tokens, **_rule_args(req.rule_fields))
             choice.choice, choice.rng = i, np.random.default_rng([req.seed, i])
+            choice.rules = req.rules.copy() if req.rules is not None else None
             choice.decode_text = self.model.text.decoder() if self.model.text else None
             choice.prompt_tokens, choice.cancelled = req.prompt_tokens, req.cancelled
             req.forks.append(choice)
@@ -306,7 +330,8 @@ class Engine:
         logits = self.pool.decode(tokens)
         self.step_seconds = time.perf_counter() - t0
         act = self.active
-        chosen = pick_rows(logits, [r.temperature for r in act], [r.top_k for r in act],
+        chosen = pick_rows(adjusted(logits, [r.rules for r in act]),
+                           [r.temperature for r in act], [r.top_k for r in act],
                            [r.top_p for r in act], [r.rng for r in act])
         entries = self._scores(act, logits, chosen)
         done = [r for r, tok, e in zip(act, chosen, entries) if self._choose(r, tok, e)]
@@ -323,9 +348,11 @@ class Engine:
         not."""
         req.last = tok
         req.ids.append(tok)
+        if req.rules is not None:
+            req.rules.took(tok)
         held = req.held + (req.decode_text([tok]) if req.decode_text else f"{tok} ")
         reason = None
-        if req.stop:
+        if req.stop and len(req.ids) >= req.min_tokens:
             found = [at for at in (held.find(s) for s in req.stop) if at >= 0]
             if found:
                 held, reason = held[:min(found)], "stop"
@@ -333,7 +360,9 @@ class Engine:
             reason = "length"
             if req.decode_text:
                 held += req.decode_text([], final=True)
-        cut = len(held) if reason is not None else max(0, len(held) - req.hold)
+        # (before min_tokens all text goes out: a stop string is looked for in later text)
+        cut = len(held) if reason is not None or len(req.ids) < req.min_tokens else \
+            max(0, len(held) - req.hold)
         req.held = held[cut:]
         event = {"type": "text", "text": held[:cut], "ids": [tok], "choice": req.choice}
         if entry is not None:
