@@ -89,6 +89,10 @@ def add_arguments(p):
                         "chat_template, as a file) rendering /v1/chat/completions' messages "
                         "(default: each message as 'role: content' on a line, then "
                         "'assistant:')")
+    p.add_argument("--prefix-cache-mb", type=int, default=256, metavar="MB",
+                   help="megabytes of prompt-prefix states kept in memory (least recently used "
+                        "go first): a prompt that starts with a prefix served before resumes "
+                        "from its state and prefills only the rest (0: no cache)")
     p.add_argument("--name", default=None,
                    help="the model's name in the API (default: the module's file name)")
     p.add_argument("--shutdown-timeout", type=seconds, default=10.0,
@@ -135,6 +139,9 @@ def main(args):
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0 (0: no cache), got "
+                         f"{args.prefix_cache_mb}")
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.api_key is not None:
@@ -157,7 +164,7 @@ def main(args):
                          shutdown_timeout=args.shutdown_timeout,
                          max_tokens=args.max_tokens,
                          max_body=args.max_body, max_unread=args.max_unread,
-                         chat_template=template)
+                         chat_template=template, prefix_cache_mb=args.prefix_cache_mb)
     except MemoryError:
         raise ValueError(f"--max-streams {args.max_streams}: the state of that many streams "
                          "does not fit in memory") from None

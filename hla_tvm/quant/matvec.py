@@ -6,9 +6,10 @@
 
 Loops (`matvec_func`): for each panel of P columns (parallel): K in steps of 4 weight rows
 (bf16: 4 row pairs), P / lanes vector sums in registers, each step asking the cache for the
-weights PREFETCH bytes ahead (not on AMD Zen: `prefetch_bytes`); the sums run over k in order. Several rows keep the scheduled TE
-product (`schedule.rules.cpu.matmul_tiles`, which shares a weight's conversion between rows); a
-decode step of one stream (`compiler.with_decode_one`: static shapes) takes this one.
+weights PREFETCH bytes ahead (not on AMD Zen: `prefetch_bytes`); the sums run over k in order.
+Several rows keep the scheduled TE product (`schedule.rules.cpu.matmul_tiles`, which shares a
+weight's conversion between rows); a decode step of one stream (`compiler.with_decode_one`:
+static shapes) takes this one.
 
 Measured on the Xeon VM (2 cores, 2026-12-07), 768 x 6144 (the 120 M preset's gate and up
 projection), weights cold as in a decode step (100 MB of copies in turn), fastest of 5: bf16

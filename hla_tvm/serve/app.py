@@ -58,6 +58,7 @@ from .engine import Engine, QueueFull, Request
 from .logit_rules import check as check_rules
 from .logprobs import MAX_TOP
 from .metrics import Metrics
+from .prefix_cache import PrefixCache
 from .sessions import UnknownSession, check_name
 
 Number = Union[StrictInt, StrictFloat]
@@ -215,6 +216,7 @@ def _validation_error(err):
 
 DEFAULT_MAX_TOKENS = 4096   # HLA models have no context length: a cap on one answer's length
 DEFAULT_MAX_UNREAD = 1024
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 def default_max_body(max_prompt):
@@ -252,7 +254,7 @@ def _limit(value, what, *, allow_none=False):
 def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessions=None,
                api_key=None, max_prompt=8192, prefill_piece=256, shutdown_timeout=10.0,
                max_tokens=DEFAULT_MAX_TOKENS, max_body=None, max_unread=DEFAULT_MAX_UNREAD,
-               chat_template=None):
+               chat_template=None, prefix_cache_mb=DEFAULT_PREFIX_CACHE_MB):
     """The FastAPI application serving `model` (a CPU `runtime.CompiledModel`); its engine
     starts and stops with the application (lifespan).
 
@@ -260,7 +262,8 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
     (400 above it), `max_body` request body bytes (413 above it; default
     `default_max_body(max_prompt)`), `max_unread` events a streaming client may leave unread
     before its stream is cut (None: no bound). `chat_template`: the Jinja2 source that renders
-    /v1/chat/completions' messages (None: `chat.DEFAULT`)."""
+    /v1/chat/completions' messages (None: `chat.DEFAULT`). `prefix_cache_mb`: megabytes of
+    prefix states kept (`prefix_cache`; 0: none)."""
     api_key = check_api_key(api_key)
     template = ChatTemplate(chat_template)
     max_tokens = _limit(max_tokens, "max_tokens")
@@ -272,8 +275,12 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         raise ValueError(f"shutdown_timeout must be a number of seconds >= 0 (or inf), got "
                          f"{shutdown_timeout!r}")
     name = model_name or os.path.splitext(os.path.basename(model.path))[0]
+    if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, int) or \
+            prefix_cache_mb < 0:
+        raise ValueError(f"prefix_cache_mb must be an int >= 0, got {prefix_cache_mb!r}")
     engine = Engine(model, max_streams=max_streams, max_queue=max_queue,
-                    prefill_piece=prefill_piece, sessions=sessions)
+                    prefill_piece=prefill_piece, sessions=sessions,
+                    prefix_cache=PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None)
     metrics = Metrics(engine)
     created = int(time.time())
     held, held_lock = set(), threading.Lock()   # sessions a running request writes

@@ -25,7 +25,8 @@ class Choices:
         self.entries = [[] for _ in range(count)]
         self.offsets = [0] * count
         self.reasons = [None] * count
-        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                      "prompt_tokens_details": {"cached_tokens": 0}}
         self.left = count
 
     def add(self, prompt, event):
@@ -53,6 +54,8 @@ class Choices:
             usage = event["usage"]
             if event.get("choice", 0) == 0:   # (the prompt counts once for its n choices)
                 self.usage["prompt_tokens"] += usage["prompt_tokens"]
+                self.usage["prompt_tokens_details"]["cached_tokens"] += \
+                    usage["prompt_tokens_details"]["cached_tokens"]
             self.usage["completion_tokens"] += usage["completion_tokens"]
             self.usage["total_tokens"] = self.usage["prompt_tokens"] + \
                 self.usage["completion_tokens"]

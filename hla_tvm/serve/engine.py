@@ -84,6 +84,8 @@ class Request:
         self.logprobs, self.echo, self.n, self.choice = logprobs, bool(echo), n, 0
         self.forks = []   # choices 1 .. n-1 (`Engine._fork`)
         self.echoed = None   # the prompt's log-probability entries, while it is prefilled
+        self.cached = None   # the prompt's last logits, where its whole state was cached
+        self.resumed_at = 0  # prompt tokens whose state came from the prefix cache
         self.prompt = [int(t) for t in prompt]
         self.max_tokens, self.temperature, self.top_k, self.top_p = \
             max_tokens, float(temperature), top_k, float(top_p)
@@ -113,12 +115,16 @@ class Engine:
     max_streams: streams advanced together (the pool's rows; prefilling ones count);
     max_queue: requests that may wait for a slot (None: max_streams); prefill_piece: prompt
     tokens prefilled between two decode steps; sessions: a `SessionStore` or None; metrics:
-    a `metrics.Metrics` or None. A model with text (`runtime.text`: byte-level, or
-    compiled with a tokenizer) gives text; for others each token's text is its id and a space."""
+    a `metrics.Metrics` or None; prefix_cache: a `prefix_cache.PrefixCache` or None (then a
+    prompt resumes from the state of its longest prefix cached, and the states at each
+    prefill piece's end and at each answer's end are cached). A model with text
+    (`runtime.text`: byte-level, or compiled with a tokenizer) gives text; for others each
+    token's text is its id and a space."""
 
     def __init__(self, model, *, max_streams=64, max_queue=None, prefill_piece=256,
-                 sessions=None, metrics=None):
+                 sessions=None, metrics=None, prefix_cache=None):
         self.model = model
+        self.prefix_cache = prefix_cache
         self.pool = StatePool(model, max_streams)
         self.max_streams = max_streams
         self.max_queue = max_streams if max_queue is None else max_queue
@@ -229,7 +235,13 @@ class Engine:
         else:
             req.state = self.model.init_state(1)
         req.todo = pending + req.prompt
-        if not req.todo:
+        if self._caches(req) and not req.echo:   # (an echo scores every prompt token)
+            hit = self.prefix_cache.longest(req.prompt)
+            if hit is not None:
+                length, req.state, req.cached = hit
+                req.todo = req.prompt[length:]
+                req.resumed_at = length
+        if not req.todo and req.cached is None:
             raise ValueError("prompt must not be empty (a session continues from its pending "
                              "token; this one has none)")
         req.prompt_tokens = len(req.prompt)
@@ -248,16 +260,21 @@ class Engine:
             self._finish(req, "cancelled")
             return
         try:
-            fed = len(req.prompt) + req.skip - len(req.todo)   # tokens fed before the piece
-            piece, req.todo = req.todo[:self.piece], req.todo[self.piece:]
-            scored = req.echo and req.logprobs is not None
-            logits, req.state = self.model.prefill(np.array([piece], np.int64), req.state,
-                                                   logits="all" if scored else "last")
-            if scored:
-                self._score_prompt(req, logits[0], piece, fed)
-                logits = logits[:, -1]
             if req.todo:
-                return
+                fed = len(req.prompt) + req.skip - len(req.todo)   # tokens fed before it
+                piece, req.todo = req.todo[:self.piece], req.todo[self.piece:]
+                scored = req.echo and req.logprobs is not None
+                logits, req.state = self.model.prefill(np.array([piece], np.int64), req.state,
+                                                       logits="all" if scored else "last")
+                if scored:
+                    self._score_prompt(req, logits[0], piece, fed)
+                    logits = logits[:, -1]
+                if self._caches(req):   # (each piece's end: a later prompt may resume there)
+                    self.prefix_cache.put(req.prompt[:fed + len(piece)], req.state, logits[0])
+                if req.todo:
+                    return
+            else:   # (the whole prompt was cached, with the logits of its last token)
+                logits = req.cached[None]
             self.joining.popleft()
             if req.echo:
                 req.emit({"type": "echo", "ids": req.prompt, "logprobs": req.echoed})
@@ -296,6 +313,11 @@ class Engine:
         req.echoed += scores(prev[[i - shift for i in at]], [piece[i] for i in at],
                              req.logprobs)
         req.before = rows[-1]
+
+    def _caches(self, req):
+        """Whether `req`'s states go to and come from the prefix cache: a cache is kept and
+        the request starts from its prompt (not a session's state)."""
+        return self.prefix_cache is not None and req.resume is None and req.fork is None
 
     def _fork(self, req):
         """The request's n choices: itself and n - 1 copies, each with its own generator."""
@@ -376,6 +398,10 @@ class Engine:
         pool moves the last row's state into req's row, and the list its stream likewise."""
         if req.save is not None and req.finish_reason != "cancelled":
             req.state = self.pool.get(req.row)
+        if self._caches(req) and req.finish_reason != "cancelled":
+            # (the state has fed the prompt and every chosen token but the last: a follow-up
+            # prompt, such as a chat's next turn, resumes after the answer)
+            self.prefix_cache.put(req.prompt + req.ids[:-1], self.pool.get(req.row))
         moved = self.pool.remove(req.row)
         last = self.active.pop()
         if moved is not None:
@@ -392,7 +418,8 @@ class Engine:
     def _finish(self, req, reason=None):
         reason = reason or req.finish_reason
         usage = {"prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.ids),
-                 "total_tokens": req.prompt_tokens + len(req.ids)}
+                 "total_tokens": req.prompt_tokens + len(req.ids),
+                 "prompt_tokens_details": {"cached_tokens": req.resumed_at}}
         if req.save is not None and reason != "cancelled" and req.state is not None:
             try:
                 self.sessions.save(req.save, req.state, pending=[req.last])

@@ -2,8 +2,8 @@
 active, prefilling and waiting, slots in use, sessions stored (read when scraped), tokens and
 requests by finish reason (counters), errors by HTTP status (every error answer, the connection
 guard's 400/408/431/503 among them), streams cut for a slow reader, open connections (where the
-server sets `connections`), decode step time and batch size (histograms), and tokens/s over the
-last steps."""
+server sets `connections`), decode step time and batch size (histograms), tokens/s over the
+last steps, and the prefix cache's hits, misses, tokens saved and bytes."""
 from __future__ import annotations
 
 import collections
@@ -50,6 +50,18 @@ class Metrics:
         self._recent = collections.deque(maxlen=256)   # (time, tokens) of recent steps
         Gauge("hla_tvm_tokens_per_second", "tokens generated per second over the last steps",
               registry=reg).set_function(self.rate)
+        cache = engine.prefix_cache
+        for name, doc, read in (
+                ("prefix_cache_hits", "prompts that resumed from a cached prefix state",
+                 lambda: cache.hits),
+                ("prefix_cache_misses", "prompts that found no cached prefix",
+                 lambda: cache.misses),
+                ("prefix_cache_tokens_saved", "prompt tokens not prefilled thanks to the prefix "
+                 "cache", lambda: cache.tokens_saved),
+                ("prefix_cache_bytes", "bytes of prefix states kept (--prefix-cache-mb)",
+                 lambda: cache.bytes)):
+            Gauge(f"hla_tvm_{name}", doc, registry=reg).set_function(
+                (lambda read=read: read()) if cache is not None else (lambda: 0))
         engine.metrics = self
 
     def step(self, seconds, streams):
