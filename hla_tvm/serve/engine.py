@@ -247,7 +247,8 @@ class Engine:
         req.prompt_tokens = len(req.prompt)
         req.decode_text = self.model.text.decoder() if self.model.text else None
         if LogitRules.wanted(**req.rule_fields):
-            req.rules = LogitRules(self.model.vocab_size, req.todo, **req.rule_fields)
+            req.rules = LogitRules(self.model.vocab_size, pending + req.prompt,
+                                   **req.rule_fields)
         # an echo's log-probabilities: the rows before each prompt token (the first has none)
         req.skip = len(pending)   # tokens fed before the prompt
         req.echoed = [(req.prompt[0], None, None)] if req.echo and req.prompt and \
