@@ -51,3 +51,55 @@ def test_two_replicas_share_sessions(module_path, tmp_path):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_serve_replicas_from_the_command(module_path, tmp_path):
+    """`hla-tvm serve MODULE --replicas 2`: Ray Serve replicas on a local Ray instance behind
+    one port, the same greedy text as the batch-1 loop, answers from both replicas, and
+    SIGTERM stops it (exit 0)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hla_tvm.runtime import load
+    from hla_tvm.runtime.generate import generate
+
+    want = bytes(generate(load(module_path, threads=1), list(b"def f():\n"), 8)[0]).decode(
+        "utf-8", "replace")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "hla_tvm", "serve", str(module_path),
+                             "--replicas", "2", "--port", str(port), "--name", "model",
+                             "--sessions", str(tmp_path / "sessions")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        servers = set()
+        for _ in range(30):
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "model", "prompt": "def f():\n", "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+            servers.add(r.headers["x-hla-tvm-server"])
+            if len(servers) == 2:
+                break
+        assert len(servers) == 2, servers
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code == 0

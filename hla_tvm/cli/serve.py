@@ -93,6 +93,10 @@ def add_arguments(p):
                    help="megabytes of prompt-prefix states kept in memory (least recently used "
                         "go first): a prompt that starts with a prefix served before resumes "
                         "from its state and prefills only the rest (0: no cache)")
+    p.add_argument("--replicas", type=positive, default=1,
+                   help="serve from N replicas behind Ray Serve's HTTP proxy on a local Ray "
+                        "instance, sharing --sessions (needs pip install 'hla_tvm[ray]'); 1: "
+                        "one server process")
     p.add_argument("--name", default=None,
                    help="the model's name in the API (default: the module's file name)")
     p.add_argument("--shutdown-timeout", type=seconds, default=10.0,
@@ -155,16 +159,18 @@ def main(args):
     model = load(args.module, threads=args.threads)
     args.max_streams = stream_slots(args.max_streams, model.max_batch)
     check_pool_memory(model, args.max_streams)
+    app_options = dict(model_name=args.name, max_streams=args.max_streams,
+                       max_queue=args.max_queue, api_key=api_key, max_prompt=args.max_prompt,
+                       prefill_piece=args.prefill_piece, shutdown_timeout=args.shutdown_timeout,
+                       max_tokens=args.max_tokens, max_body=args.max_body,
+                       max_unread=args.max_unread, chat_template=template,
+                       prefix_cache_mb=args.prefix_cache_mb)
+    if args.replicas > 1:
+        return _replicas(args, model, app_options)
     store = SessionStore(args.sessions, model, max_count=args.max_sessions) \
         if args.sessions else None
     try:
-        app = create_app(model, model_name=args.name, max_streams=args.max_streams,
-                         max_queue=args.max_queue, sessions=store, api_key=api_key,
-                         max_prompt=args.max_prompt, prefill_piece=args.prefill_piece,
-                         shutdown_timeout=args.shutdown_timeout,
-                         max_tokens=args.max_tokens,
-                         max_body=args.max_body, max_unread=args.max_unread,
-                         chat_template=template, prefix_cache_mb=args.prefix_cache_mb)
+        app = create_app(model, sessions=store, **app_options)
     except MemoryError:
         raise ValueError(f"--max-streams {args.max_streams}: the state of that many streams "
                          "does not fit in memory") from None
@@ -190,6 +196,23 @@ def main(args):
     server = _server_class()(config, app.state.engine, args.shutdown_timeout)
     metrics.connections = lambda: len(server.server_state.connections)
     server.run()
+    return 0
+
+
+def _replicas(args, model, app_options):
+    """`--replicas N`: Ray Serve replicas on a local Ray instance (`serve.ray_deployment.run`)."""
+    try:
+        from ..serve.ray_deployment import run
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise ValueError("--replicas needs Ray Serve: pip install 'hla_tvm[ray]'") from None
+    if args.max_connections is not None:
+        raise ValueError("--max-connections applies to one server; with --replicas Ray "
+                         "Serve's proxy takes the connections")
+    del model
+    run(args.module, host=args.host, port=args.port, num_replicas=args.replicas,
+        sessions=args.sessions, max_sessions=args.max_sessions, threads=args.threads or 1,
+        **app_options)
     return 0
 
 

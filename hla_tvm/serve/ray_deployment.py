@@ -8,18 +8,21 @@ across machines).
     from hla_tvm.serve.ray_deployment import application
     serve.run(application("model.so", num_replicas=2, sessions="/shared/sessions"))
 
-Needs `ray[serve]` (`pip install 'hla_tvm[ray]'`)."""
+or from the command line, `hla-tvm serve model.so --replicas 2` (`run`). The connection guard
+of a single server (`guard`: --max-connections, --request-timeout) is Ray's proxy's business
+here. Needs `ray[serve]` (`pip install 'hla_tvm[ray]'`)."""
 from __future__ import annotations
 
 import os
 
 
-def application(module, *, num_replicas=2, sessions=None, max_sessions=1000, max_streams=64,
-                max_queue=None, api_key=None, threads=1, name=None, max_prompt=8192,
-                prefill_piece=256, num_cpus=1.0):
+def application(module, *, num_replicas=2, sessions=None, max_sessions=1000, threads=1,
+                name=None, num_cpus=1.0, **app_options):
     """The bound Ray Serve application serving the compiled `module` (its path, seen by every
-    replica) with `num_replicas` replicas of `num_cpus` CPUs each; the other options are
-    `hla-tvm serve`'s."""
+    replica) with `num_replicas` replicas of `num_cpus` CPUs each; `app_options` are
+    `app.create_app`'s keyword arguments (max_streams, max_queue, api_key, max_prompt,
+    prefill_piece, max_tokens, chat_template, prefix_cache_mb, ...), the others `hla-tvm
+    serve`'s."""
     from ray import serve
 
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
@@ -27,11 +30,9 @@ def application(module, *, num_replicas=2, sessions=None, max_sessions=1000, max
     module = os.path.abspath(os.fspath(module))
     if not os.path.isfile(module):
         raise FileNotFoundError(f"no compiled module at {module}")
+    app_options.setdefault("model_name", name or os.path.splitext(os.path.basename(module))[0])
     options = dict(sessions=os.path.abspath(sessions) if sessions else None,
-                   max_sessions=max_sessions, max_streams=max_streams, max_queue=max_queue,
-                   api_key=api_key, threads=threads,
-                   name=name or os.path.splitext(os.path.basename(module))[0],
-                   max_prompt=max_prompt, prefill_piece=prefill_piece)
+                   max_sessions=max_sessions, threads=threads, app=app_options)
 
     @serve.deployment(num_replicas=num_replicas, ray_actor_options={"num_cpus": num_cpus},
                       name="hla_tvm")
@@ -57,7 +58,34 @@ def build_app(module, options):
     model = load(module, threads=options["threads"])
     store = SessionStore(options["sessions"], model, max_count=options["max_sessions"]) \
         if options["sessions"] else None
-    return create_app(model, model_name=options["name"], max_streams=options["max_streams"],
-                      max_queue=options["max_queue"], sessions=store,
-                      api_key=options["api_key"], max_prompt=options["max_prompt"],
-                      prefill_piece=options["prefill_piece"])
+    return create_app(model, sessions=store, **options["app"])
+
+
+def run(module, *, host="127.0.0.1", port=8000, num_replicas=2, **options):
+    """Start a local Ray instance and Ray Serve's HTTP proxy on `host`:`port` serving
+    `application(module, num_replicas=num_replicas, **options)`, until SIGTERM or Ctrl-C
+    (`hla-tvm serve --replicas N`); Ray stops with it."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    cpus = os.cpu_count() or 1
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=cpus)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(module, num_replicas=num_replicas,
+                              num_cpus=max(0.1, cpus / num_replicas), **options),
+                  route_prefix="/")
+        # (after Ray's start: it puts handlers of its own on SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"serving {os.path.basename(module)} with {num_replicas} Ray Serve replicas at "
+              f"http://{host}:{port} (SIGTERM or Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        # (ray.shutdown ends the replicas with the instance; serve.shutdown first waited 30 s
+        # for its controller on a 2-core VM)
+        ray.shutdown()
