@@ -423,12 +423,17 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
 
 
 def tokenizer_text(path, vocab_size):
-    """{metadata key: the checked tokenizer.json text} for the module, or {} for None."""
+    """{metadata key: the checked tokenizer.json text, and the chat template of a
+    tokenizer_config.json beside it where there is one} for the module, or {} for None."""
     if path is None:
         return {}
-    from .runtime.text import TOKENIZER, read_tokenizer
+    from .runtime.text import CHAT, TOKENIZER, read_chat, read_tokenizer
 
-    return {TOKENIZER: read_tokenizer(path, vocab_size)}
+    out = {TOKENIZER: read_tokenizer(path, vocab_size)}
+    chat = read_chat(path)
+    if chat is not None:
+        out[CHAT] = chat
+    return out
 
 
 def records_folder(schedules, target):

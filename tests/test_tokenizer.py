@@ -12,6 +12,9 @@ tokenizers = pytest.importorskip("tokenizers")
 pytestmark = pytest.mark.xdist_group("serve")
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 0\n    y = 0\n" * 20
+# a Hugging Face chat template in the tokenizer_config.json beside the tokenizer.json
+CHAT = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] | upper }}\n{{ m['content'] }}"
+        "\n{% endfor %}{% if add_generation_prompt %}### ASSISTANT\n{% endif %}")
 
 
 def make_tokenizer(path, vocab_size):
@@ -33,6 +36,8 @@ def compiled(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tok")
     tok = make_tokenizer(folder / "tokenizer.json", 300)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": CHAT}))
     torch.manual_seed(0)
     model = HLALM(tok.get_vocab_size(), 32, 2, 4, chunk_size=16).eval()
     path = compile_model(model, out=folder / "model.so", tokenizer=folder / "tokenizer.json")
@@ -141,3 +146,35 @@ def test_eval_reads_text_through_the_modules_tokenizer(compiled, tmp_path, capsy
     assert results[0]["tokens"] == len(tok.encode(TEXT[:400]).ids) == results[1]["tokens"]
     assert results[0]["models"][0]["bits"] == results[1]["models"][0]["bits"]
     capsys.readouterr()
+
+
+def test_chat_template_kept_in_the_module_renders_chat(compiled):
+    """A tokenizer_config.json beside the tokenizer.json gives the module its chat template
+    (and bos/eos tokens); the server renders /v1/chat/completions' messages with it, as
+    transformers renders `chat_template`, and answers the token-id loop's greedy text."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from hla_tvm.runtime import load
+    from hla_tvm.runtime.generate import generate
+    from hla_tvm.serve.app import create_app
+
+    tok, path, _ = compiled
+    m = load(path, threads=1)
+    assert m.meta["chat"] == {"template": CHAT, "bos_token": "<s>", "eos_token": "</s>"}
+    messages = [{"role": "user", "content": "class Point:"}]
+    prompt = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        CHAT).render(messages=messages, add_generation_prompt=True, bos_token="<s>",
+                     eos_token="</s>")
+    assert prompt == "<s>### USER\nclass Point:\n### ASSISTANT\n"
+    ids = tok.encode(prompt).ids
+    want, _ = generate(m, ids, 6)
+    app = create_app(m, max_streams=2)
+    with TestClient(app) as client:
+        info = client.get("/tokenizer_info").json()
+        assert info["chat_template"] == CHAT and info["eos_token"] == "</s>"
+        got = client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    assert got["choices"][0]["message"]["content"] == tok.decode(want)

@@ -9,12 +9,15 @@ uses it; other models have no text, only token ids.
     decode = c.decoder()             # incremental: decode([id, ...]) -> the text they complete,
     text = decode(ids) + decode([], final=True)   # final=True flushes what is held back
 
-The `tokenizers` package is needed only for modules compiled with a tokenizer."""
+A tokenizer_config.json beside the tokenizer.json gives the module its chat template
+(`read_chat`, kept under CHAT), which `hla-tvm serve` renders chat messages with. The
+`tokenizers` package is needed only for modules compiled with a tokenizer."""
 from __future__ import annotations
 
 import json
 
 TOKENIZER = "tokenizer"   # the metadata key holding the tokenizer.json text
+CHAT = "chat"             # ... and {"template", "bos_token", "eos_token"} of its chat template
 
 
 class ByteText:
@@ -109,6 +112,42 @@ def read_tokenizer(path, vocab_size):
     except ValueError as err:
         raise ValueError(f"tokenizer {path} {err}") from None
     return text
+
+
+def read_chat(tokenizer_path):
+    """{"template", "bos_token", "eos_token"} from the Hugging Face tokenizer_config.json
+    beside the tokenizer.json at `tokenizer_path` (its `chat_template`: a string, or the one
+    named "default" of a list of {"name", "template"}), or None where there is none; ValueError
+    naming the file where it is not such a file."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(tokenizer_path)),
+                        "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a tokenizer_config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a tokenizer_config.json (not a JSON object)")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be a string (or a list of named "
+                         "templates with a 'default')")
+
+    def token(key):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
+    return {"template": template, "bos_token": token("bos_token"),
+            "eos_token": token("eos_token")}
 
 
 def check_ids(tok, vocab_size):

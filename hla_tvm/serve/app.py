@@ -52,6 +52,7 @@ from pydantic import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..runtime.text import CHAT
 from .chat import ChatTemplate, TemplateError, completion_fields
 from .choices import ChatFormat, Choices, TextFormat
 from .engine import Engine, QueueFull, Request
@@ -262,10 +263,18 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
     (400 above it), `max_body` request body bytes (413 above it; default
     `default_max_body(max_prompt)`), `max_unread` events a streaming client may leave unread
     before its stream is cut (None: no bound). `chat_template`: the Jinja2 source that renders
-    /v1/chat/completions' messages (None: `chat.DEFAULT`). `prefix_cache_mb`: megabytes of
+    /v1/chat/completions' messages (None: the module's, from the tokenizer_config.json it was
+    compiled with, else `chat.DEFAULT`). `prefix_cache_mb`: megabytes of
     prefix states kept (`prefix_cache`; 0: none)."""
     api_key = check_api_key(api_key)
-    template = ChatTemplate(chat_template)
+    kept = (getattr(model, "meta", None) or {}).get(CHAT) or {}
+    try:
+        template = ChatTemplate(chat_template or kept.get("template"),
+                                bos_token=kept.get("bos_token") or "",
+                                eos_token=kept.get("eos_token") or "")
+    except TemplateError as err:
+        raise ValueError(f"the chat template kept in {model.path} ({err}); give one with "
+                         "--chat-template FILE") from None
     max_tokens = _limit(max_tokens, "max_tokens")
     max_body = _limit(default_max_body(max_prompt) if max_body is None else max_body,
                       "max_body")
@@ -410,8 +419,9 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         has_text("/tokenizer_info")
         return {"tokenizer_class": "ByteLevel" if model.text.kind == "bytes" else
                 "PreTrainedTokenizerFast", "vocab_size": model.vocab_size,
-                "model_max_length": max_prompt, "bos_token": None, "eos_token": None,
-                "pad_token": None, "chat_template": template.source}
+                "model_max_length": max_prompt, "bos_token": kept.get("bos_token"),
+                "eos_token": kept.get("eos_token"), "pad_token": None,
+                "chat_template": template.source}
 
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi():
