@@ -346,7 +346,7 @@ def test_a_module_whose_note_was_edited_is_refused(compiled_lm, tmp_path):
 
 def test_float16_outputs_overflow_in_the_final_rounding_as_documented():
     """The state stays float32 and finite; an output is inf exactly where its float32 value is
-    beyond float16's range, in both backends; the README's Use section says so."""
+    beyond float16's range, in both backends; docs/usage.md's Operators section says so."""
     import torch
 
     import hla_tvm
@@ -362,5 +362,5 @@ def test_float16_outputs_overflow_in_the_final_rounding_as_documented():
         assert o.dtype == torch.float16
         assert all(s.dtype == torch.float32 and torch.isfinite(s).all() for s in state.values())
         assert torch.equal(torch.isinf(o), beyond), backend
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "beyond ±65,504 comes back as `inf`" in readme
+    usage = open(os.path.join(ROOT, "docs", "usage.md")).read()
+    assert "beyond ±65,504 comes back as `inf`" in usage

@@ -1,4 +1,4 @@
-"""A user's own architecture (the README's "Your own model" example, taken from the README as
+"""A user's own architecture (docs/usage.md's "Your own model" example, taken from it as
 written) compiled and exported from the command line as module:factory, against PyTorch."""
 import numpy as np
 import pytest

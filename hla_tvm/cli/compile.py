@@ -13,7 +13,7 @@ def add_arguments(p):
                    help="a checkpoint written by HLALM.save, a .onnx file with hla_tvm::HLA "
                         "nodes, or module:factory, a Python module and a function in it that "
                         "returns your own model (forward(tokens, state) -> (logits, state) and "
-                        "init_state(batch); README, 'Your own model')")
+                        "init_state(batch); docs/usage.md, 'Your own model')")
     p.add_argument("-o", "--output", default="model.so", help="output library")
     p.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
                    help="a Hugging Face `tokenizers` file kept in the module, so that `run "
