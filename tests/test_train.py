@@ -39,9 +39,7 @@ def test_corpus_split_is_by_path_and_skips_site_packages(tmp_path):
 
 def _tiny():
     torch.manual_seed(0)
-    model = HLALM(256, 16, 1, 1, chunk_size=16, vocab="bytes")
-    train.init_weights(model)
-    return model
+    return HLALM(256, 16, 1, 1, chunk_size=16, vocab="bytes")
 
 
 def test_training_learns_and_repeats_from_a_seed():

@@ -53,11 +53,8 @@ def load_model(checkpoint=None, preset="demo"):
         from .demo import SHIPPED
 
         return HLALM.load(SHIPPED).eval(), "demo (shipped)"
-    from .train import init_weights
-
     torch.manual_seed(0)
-    model = HLALM(**PRESETS[preset])
-    init_weights(model)
+    model = HLALM(**PRESETS[preset])   # (initialised as training expects)
     return model.eval(), f"{preset} (random weights)"
 
 

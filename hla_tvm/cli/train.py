@@ -188,16 +188,6 @@ def write_png(path, series, x_max, width=640, height=360):
                 + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def init_weights(model, std=0.02):
-    """GPT-style initialization: embeddings N(0, std) (tied logits start near uniform), every
-    projection N(0, std), output projections N(0, std / sqrt(2 * layers))."""
-    layers = len(getattr(model, "blocks", ())) or 1
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            out_proj = name.endswith(("o_proj.weight", "down.weight"))
-            torch.nn.init.normal_(p, 0.0, std / math.sqrt(2 * layers) if out_proj else std)
-
-
 # the shipped model's shape: second order, head size 64 (the shipped records' shapes), ~1.1 M
 # parameters (4.3 MB of float32 weights), one decay per head: a short and a long memory
 # (measured, bits/byte held out after 200 steps: 3.19 with this decay, 3.25 with 0.9/0.99,
@@ -225,6 +215,7 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
     the baseline, which has no decay) and its curve `out` minus ".pt" + ".json"/".png".
     Returns the history."""
     from ..models import HLALM
+    from ..models.hlalm import init_weights
     from ..models.softmax_baseline import softmax_baseline
 
     if attention not in ("hla", "softmax"):
@@ -251,8 +242,11 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
         config.pop("decay")
     train, val = stdlib_corpus()
     torch.manual_seed(seed)
-    model = HLALM(**config) if attention == "hla" else softmax_baseline(config)
-    init_weights(model)
+    if attention == "hla":
+        model = HLALM(**config)   # (it initialises itself: `models.hlalm.init_weights`)
+    else:
+        model = softmax_baseline(config)
+        init_weights(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"training a {attention} byte-level model ({n_params / 1e6:.2f} M parameters) on the "
           f"standard library's source: {train.numel() / 1e6:.1f} MB for training, "
