@@ -275,3 +275,22 @@ def test_bench_model_compares_schemes_and_peers_in_one_table(capsys, tmp_path):
     assert "peers' fastest thread counts" in out and "other_load_cores" in report
     _fails_in_one_line(capsys, ["bench", "model", "--quantize", "int3"], "--quantize takes")
     _fails_in_one_line(capsys, ["bench", "decode", "x.pt"], "applies to `bench model`")
+
+
+def test_cache_lists_each_model_with_its_shape_scheme_and_target(tmp_path, monkeypatch, capsys,
+                                                                compiled_lm):
+    """`hla-tvm cache` names what each cached compiled model is (read from its library's
+    metadata, nothing loaded); a damaged one is listed as unreadable."""
+    import shutil
+
+    monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    shutil.copy(compiled_lm("bytes", vocab_size=256, vocab="bytes")[1],
+                models / f"demo-{'a' * 20}.so")
+    (models / f"demo-{'b' * 20}.so").write_bytes(b"\x7fELF junk")
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "a" * 20 in x)
+    assert "d_model 32, n_layers 2, n_heads 4, vocab_size 256; float32; for llvm" in line
+    assert "unreadable" in next(x for x in out.splitlines() if "b" * 20 in x)

@@ -28,6 +28,22 @@ _CACHE_KINDS = {"kernels": "compiled kernel modules",
                 "records": "tuned records (hla-tvm tune)"}
 
 
+def _model_line(path):
+    """What a cached compiled model is (its model's shape, weight scheme and target, from the
+    metadata its library holds: nothing is loaded), or why that cannot be read."""
+    from ..runtime.model import read_meta, scheme_name
+
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as err:
+        return f"(unreadable: {str(err).split(': ', 1)[-1]})"
+    cfg = meta.get("config") or {}
+    shape = ", ".join(f"{k} {cfg[k]}" for k in ("d_model", "n_layers", "n_heads", "vocab_size")
+                      if k in cfg)
+    target = (meta.get("schedules") or {}).get("target") or meta.get("device") or "?"
+    return f"{shape or 'a model'}; {scheme_name(meta)}; for {target}"
+
+
 def main(args):
     from ..runtime import cache
 
@@ -60,8 +76,9 @@ def main(args):
         if mine:
             print(f"  {label}: {len(mine)}, {sum(cache.size(p) for p in mine) / 1e6:.1f} MB")
             for p in mine[:20]:
+                about = f"  {_model_line(p)}" if kind == "models" else ""
                 print(f"    {os.path.relpath(p, path)}{'/' if os.path.isdir(p) else ''}  "
-                      f"{cache.size(p) / 1e3:.0f} kB")
+                      f"{cache.size(p) / 1e3:.0f} kB{about}")
             if len(mine) > 20:
                 print(f"    ... {len(mine) - 20} more")
     left = cache.others()
