@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import validate
+from .progress import Stages
 from .runtime import META_FUNC, MODULE_FORMAT
 from .runtime.model import DECODE_ONE
 from .target import cross_compiler
@@ -418,8 +419,12 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
             "config": config, "max_batch": max_batch,
             "weights_sha256": weights_digest(config, model.state_dict()),
             "quantize": None if sch is None else sch.as_meta(), **text}
+    stages = Stages("compile")
+    stages("exporting the model (torch.export, to Relax)")
     mod = to_relax(model, max_batch=max_batch, target=tgt)
-    return build(mod, meta, tgt, out, records_path)
+    out = build(mod, meta, tgt, out, records_path, stages)
+    stages.done()
+    return out
 
 
 def tokenizer_text(path, vocab_size):
@@ -461,19 +466,22 @@ def resolve_model_target(target):
     return tgt
 
 
-def build(mod, meta, target, out, records_path=None):
+def build(mod, meta, target, out, records_path=None, stages=None):
     """Compile the Relax module `mod` (prefill/decode entries, `target_entries` added) with
     `meta` embedded for `target` (`executable`; its "entries" set here) and write the sealed
     library to `out` (atomically); for a CUDA target, its device code beside it where nvcc is
-    installed (`device_code.ship`). Returns `out`."""
+    installed (`device_code.ship`). `stages`: a `progress.Stages` told each stage. Returns
+    `out`."""
     from .runtime import device_code, libfile
 
+    stages = stages or Stages("compile", show=False)
     mod = target_entries(mod, target)
     meta = {**meta, "entries": entries(mod)}
     if "prefill" in meta["entries"] and mod["prefill"].attrs and \
             PREFILL_SKIPS in mod["prefill"].attrs:
         meta["prefill_skips"] = [int(t) for t in mod["prefill"].attrs[PREFILL_SKIPS]]
-    exe, meta = executable(mod, meta, target, records_path)
+    exe, meta = executable(mod, meta, target, records_path, stages)
+    stages("writing the library")
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))
     else:   # an earlier GPU build's device code would make the apps take this for a GPU module
@@ -494,7 +502,7 @@ def _logits_width(mod):
     return int(shape[-1]) if shape and isinstance(shape[-1], tvm.tirx.IntImm) else None
 
 
-def executable(mod, meta, target, records_path=None):
+def executable(mod, meta, target, records_path=None, stages=None):
     """(executable, its metadata): `tvm.compile` of the Relax module `mod` with `meta`, its
     device and the schedules used added, embedded for `target`, its HLA kernels and projections
     scheduled from the records folder `records_path` where it holds their records (the default
@@ -510,12 +518,15 @@ def executable(mod, meta, target, records_path=None):
         meta = {**meta, "vocab_size": token_rows(mod) or _logits_width(mod)}
     from .quant import from_meta
 
+    stages = stages or Stages("compile", show=False)
+    stages("preparing the graph (weights packed, operators fused)")
     sch = from_meta(meta)
     if sch is None:
         mod = prepare(mod, target)
     else:
         mod, report = prepare(mod, target, sch)
         meta = {**meta, "quantize": {**sch.as_meta(), **report}}
+    stages("scheduling the kernels")
     mod, used = schedule_model(mod, target, records_path)
     from .target import cpu_features
 
@@ -526,5 +537,6 @@ def executable(mod, meta, target, records_path=None):
         "records_sha256": None if records_path is None else records.digest(records_path),
         **used}}
     mod = _with_meta(mod, meta)
+    stages("compiling the graph and kernels (tvm.compile)")
     with target:
         return tvm.compile(mod, target=target, relax_pipeline=lowering_pipeline(target)), meta

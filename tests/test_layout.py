@@ -18,7 +18,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hla_tvm")
 
-LAYERS = [("hla_tvm.version", "hla_tvm.runtime"), ("hla_tvm.ops", "hla_tvm.quant"),
+LAYERS = [("hla_tvm.version", "hla_tvm.progress", "hla_tvm.runtime"), ("hla_tvm.ops", "hla_tvm.quant"),
           ("hla_tvm.target", "hla_tvm.validate", "hla_tvm.options"), ("hla_tvm.schedule",),
           ("hla_tvm.build",),
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),

@@ -304,6 +304,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     tokenizer: as for `hla_tvm.compile`. Returns `out`."""
     from .. import validate
     from ..compiler import build, records_folder, resolve_model_target, tokenizer_text
+    from ..progress import Stages
     from ..quant import from_meta, scheme
 
     sch = scheme(quantize, group_size)
@@ -313,6 +314,8 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     records_path = records_folder(schedules, tgt)
     from ..frontend.relax_hla import chunks_for
 
+    stages = Stages("compile")
+    stages("reading the ONNX graph (to Relax)")
     with chunks_for(tgt):   # (CUDA: prefill chunks that fit the GPU)
         mod, meta = lm_module(path)
     recorded = from_meta(meta)
@@ -323,7 +326,9 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     sch = sch or recorded
     meta = {**meta, "quantize": None if sch is None else sch.as_meta(),
             **tokenizer_text(tokenizer, meta.get("vocab_size"))}
-    return build(mod, meta, tgt, out, records_path)
+    out = build(mod, meta, tgt, out, records_path, stages)
+    stages.done()
+    return out
 
 
 def lm_module(path):
