@@ -33,14 +33,15 @@ COMMANDS = {
         "train a byte-level HLALM on this Python's standard library source (how the shipped "
         "demo model was made)"),
     "compile": ("compile",
-        "compile an HLALM checkpoint or an ONNX model from `export-onnx` into a deployable "
-        "module (prefill/decode entry points, runtime-only loading)"),
+        "compile an HLALM checkpoint, your own model (module:factory) or an ONNX model from "
+        "`export-onnx` into a deployable module (prefill/decode entry points, runtime-only "
+        "loading; float32, bf16, int8 or int4 weights)"),
     "export-onnx": ("export_onnx",
         "export an HLALM checkpoint to ONNX with hla_tvm::HLA nodes and their function bodies "
         "(runs in ONNX Runtime as is; `compile` takes it too)"),
     "run": ("run",
-        "generate with a compiled module (TVM runtime only): text for byte-level models, token "
-        "ids for others"),
+        "generate with a compiled module (TVM runtime only): text for models with text "
+        "(byte-level, or compiled with --tokenizer), token ids for others"),
     "bundle": ("bundle",
         "a folder with a compiled module and what runs it without TVM's compiler: the runtime "
         "libraries, a Python script (numpy + apache-tvm-ffi) and the C++ app's source; a module "
@@ -50,8 +51,9 @@ COMMANDS = {
         "bits per byte (or per token) of compiled modules and checkpoints over one text, side "
         "by side, with the largest logit difference to the first (quantized against float32)"),
     "serve": ("serve",
-        "serve a compiled module over HTTP with OpenAI's completions API: many streams batched "
-        "together, sessions saved and resumed, Prometheus metrics"),
+        "serve a compiled module over HTTP with OpenAI's completions and chat API: many "
+        "streams batched together, logprobs and n choices, sessions and a prefix-state cache, "
+        "Prometheus metrics, Ray Serve replicas"),
     "tune": ("tune",
         "auto-tune an operator's kernels or a model's kernels and projections with "
         "meta_schedule and write tuned records (used by hla(), decode_(), compile with "

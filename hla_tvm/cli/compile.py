@@ -18,7 +18,8 @@ def add_arguments(p):
     p.add_argument("--tokenizer", default=None, metavar="tokenizer.json",
                    help="a Hugging Face `tokenizers` file kept in the module, so that `run "
                         "--prompt`, `serve` and the runtime take and give text (byte-level "
-                        "models have text without one)")
+                        "models have text without one); a tokenizer_config.json beside it "
+                        "gives the module its chat template")
     p.add_argument("--target", default="llvm",
                    help='"llvm" for this CPU, a preset (x86-64, aarch64, cuda), a TVM target '
                         'as JSON, e.g. \'{"kind": "llvm", "mcpu": "znver4"}\', or a target '

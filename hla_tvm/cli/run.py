@@ -9,9 +9,10 @@ from .args import positive
 DESCRIPTION = ("Prefill a prompt, then decode token by token: text prompts "
                "sampled (--temperature 0.9 --top-k 40 unless given) with a seeded "
                "generator, so the same --seed gives the same text; --prompt-ids "
-               "greedy unless --temperature is given. Byte-level models (`hla-tvm "
-               "train`, the demo's) take --prompt TEXT and stream text; others "
-               "take --prompt-ids and print ids.")
+               "greedy unless --temperature is given. Models with text (byte-level, "
+               "as `hla-tvm train` and the demo make, or compiled with --tokenizer) "
+               "take --prompt TEXT and stream text; others take --prompt-ids and "
+               "print ids.")
 MAX_PROMPT_BYTES = 64 << 20   # --prompt-file's default bound
 
 
@@ -19,7 +20,8 @@ def add_arguments(p):
     """The command's options."""
     p.add_argument("module", help="a library written by `hla-tvm compile`")
     p.add_argument("--prompt", default=None, metavar="TEXT",
-                   help="prompt text (byte-level models)")
+                   help="prompt text (models with text: byte-level, or compiled with "
+                        "--tokenizer)")
     p.add_argument("--prompt-file", default=None, metavar="FILE",
                    help="prompt text read from FILE (UTF-8; - for standard input), for prompts "
                         "too long for the command line; echoed by its last 2000 characters "
