@@ -66,11 +66,7 @@ def test_training_learns_and_repeats_from_a_seed():
 def _png_size(path):
     blob = open(path, "rb").read()
     assert blob[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = struct.unpack(">II", blob[16:24])
-    idat = blob.index(b"IDAT")
-    n = struct.unpack(">I", blob[idat - 4:idat])[0]
-    assert len(zlib.decompress(blob[idat + 4:idat + 4 + n])) == h * (1 + 3 * w)
-    return w, h
+    return struct.unpack(">II", blob[16:24])
 
 
 def test_train_command_writes_checkpoint_curve_and_png(tmp_path, capsys):
@@ -82,8 +78,14 @@ def test_train_command_writes_checkpoint_curve_and_png(tmp_path, capsys):
     curve = json.load(open(str(tmp_path / "m.json")))
     assert curve["attention"] == "hla" and len(curve["train_bpb"]) == 2
     assert curve["val"][-1][0] == 2 and 0 < curve["val"][-1][1] < 9
-    assert _png_size(str(tmp_path / "m.png")) == (640, 360)
-    assert "bits/byte" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "bits/byte" in printed
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:   # no plot, and the line says how to get one
+        assert not os.path.exists(tmp_path / "m.png") and "pip install matplotlib" in printed
+    else:   # matplotlib's plot, with axes, ticks and a legend
+        assert _png_size(str(tmp_path / "m.png")) == (640, 360)
     # the softmax baseline writes its curve only
     base = str(tmp_path / "b.pt")
     assert main(["train", "-o", base, "--attention", "softmax", "--steps", "2", "--batch", "2",

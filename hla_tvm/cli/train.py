@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 import sysconfig
 import time
@@ -129,63 +128,37 @@ def fit(model, train, val, *, steps, batch=16, seq_len=256, lr=3e-3, warmup=30, 
 
 
 def write_curve(hist, path, label):
-    """The training curve as JSON at `path` + ".json" and a PNG plot at `path` + ".png"
-    (training bits/byte, smoothed, in blue; validation in red)."""
+    """The training curve as JSON at `path` + ".json" and, where matplotlib is installed, a plot
+    at `path` + ".png" (bits/byte against steps: training smoothed, held-out points; axes,
+    ticks, legend). Returns the files written."""
     with replacing(path + ".json", "w") as f:
         json.dump({"label": label, **hist}, f, indent=1)
-    train = hist["train_bpb"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")   # (no display needed)
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return [path + ".json"]
     smooth, acc = [], None
-    for v in train:
+    for v in hist["train_bpb"]:
         acc = v if acc is None else 0.9 * acc + 0.1 * v
         smooth.append(acc)
-    series = [(list(enumerate(smooth)), (40, 90, 200)),
-              ([(s, v) for s, v in hist["val"]], (210, 40, 40))]
-    write_png(path + ".png", series, x_max=max(1, len(train)))
-
-
-def write_png(path, series, x_max, width=640, height=360):
-    """A line plot of `series` ([(points [(x, y)], rgb)]) over x in [0, x_max], y over the
-    points' range, with axes; written as an 8-bit RGB PNG."""
-    pix = bytearray(b"\xff" * (width * height * 3))
-    left, right, top, bottom = 40, width - 10, 10, height - 30
-    ys = [y for pts, _ in series for _, y in pts if math.isfinite(y)]
-    lo, hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
-    hi = hi if hi > lo else lo + 1.0
-
-    def put(x, y, rgb):
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            pix[i:i + 3] = bytes(rgb)
-
-    def to_px(x, y):
-        return (round(left + (right - left) * x / x_max),
-                round(bottom - (bottom - top) * (y - lo) / (hi - lo)))
-
-    for x in range(left, right + 1):
-        put(x, bottom, (0, 0, 0))
-    for y in range(top, bottom + 1):
-        put(left, y, (0, 0, 0))
-    for k in range(1, 5):   # light grid: quarters of the y range
-        y = bottom - (bottom - top) * k // 4
-        for x in range(left + 1, right + 1, 4):
-            put(x, y, (200, 200, 200))
-    for pts, rgb in series:
-        px = [to_px(x, y) for x, y in pts if math.isfinite(y)]
-        for (x0, y0), (x1, y1) in zip(px, px[1:]):
-            n = max(abs(x1 - x0), abs(y1 - y0), 1)
-            for i in range(n + 1):
-                for d in (0, 1):
-                    put(x0 + (x1 - x0) * i // n, y0 + (y1 - y0) * i // n + d, rgb)
-    raw = b"".join(b"\x00" + bytes(pix[r * width * 3:(r + 1) * width * 3]) for r in range(height))
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + \
-            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    with replacing(path) as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
-                                                                 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    ax.plot(range(1, len(smooth) + 1), smooth, color="tab:blue",
+            label="training (smoothed)")
+    if hist["val"]:
+        ax.plot(*zip(*hist["val"]), "o-", color="tab:red", label="held out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(f"{label}: {hist.get('params', 0) / 1e6:.2f} M parameters")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with replacing(path + ".png") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+    return [path + ".json", path + ".png"]
 
 
 # the shipped model's shape: second order, head size 64 (the shipped records' shapes), ~1.1 M
@@ -260,10 +233,11 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
     stem = out[:-3] if out.endswith(".pt") else out
     if attention == "hla":   # (through a temporary file, renamed over `out` once whole)
         model.save(out)
-    write_curve(hist, stem, attention)
+    curve = write_curve(hist, stem, attention)
     print(f"validation: {hist['val'][-1][1]:.3f} bits/byte after {len(hist['steps'])} steps, "
           f"{hist['seconds']:.0f} s ({hist['tokens'] / hist['seconds']:.0f} tokens/s)")
-    print("wrote " + (f"{out}, " if attention == "hla" else "") + f"{stem}.json, {stem}.png")
+    print("wrote " + ", ".join(([out] if attention == "hla" else []) + curve)
+          + ("" if len(curve) == 2 else " (pip install matplotlib for the curve's plot)"))
     return hist
 
 
@@ -274,8 +248,8 @@ DESCRIPTION = ("Train a second-order, byte-level HLALM (256 symbols) on the .py 
                "files of this interpreter's standard library, 5 percent of the "
                "files held out for validation, with the differentiable PyTorch "
                "path; writes the checkpoint and its training curve (CHECKPOINT "
-               "without .pt + .json and .png). The same --seed gives the same "
-               "starting weights and the same batches, so the same run up to "
+               "without .pt + .json, and .png where matplotlib is installed). The "
+               "same --seed gives the same starting weights and the same batches, so the same run up to "
                "floating-point rounding: PyTorch's CPU kernels do not promise "
                "bitwise equal results between runs (their threads and vector code "
                "may sum in another order), and a --seconds budget stops at "
