@@ -30,6 +30,31 @@ def _kernel_cache(tmp_path_factory):
     mp.undo()
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 free a moment ago (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def greedy_ids(path, prompt, steps):
+    """`steps` greedy token ids of the compiled module at `path` after `prompt` (ids): the
+    runtime's prefill, then decode steps (what the apps and bundles must reproduce)."""
+    import numpy as np
+
+    from hla_tvm.runtime import load
+
+    m = load(path)
+    logits, state = m.prefill(np.array([prompt]), m.init_state(1))
+    tokens = [int(logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        logits, state = m.decode(np.array(tokens[-1:]), state)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
 def rel_err(got, want):
     """max |got - want| / max |want|, in float64."""
     got, want = got.double(), want.double()

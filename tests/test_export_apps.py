@@ -11,11 +11,10 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import sealed_without_note
+from conftest import greedy_ids, sealed_without_note
 
 from hla_tvm.compiler import compile as compile_model
 from hla_tvm.models import HLALM
-from hla_tvm.runtime import load
 
 pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,21 +49,11 @@ def module(tmp_path_factory):
 LONG = [int(t) for t in np.random.default_rng(3).integers(0, 40, 4097)]
 
 
-def _greedy(path, prompt, steps):
-    m = load(path)
-    logits, state = m.prefill(np.array([prompt]), m.init_state(1))
-    tokens = [int(logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        logits, state = m.decode(np.array(tokens[-1:]), state)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
-
-
 @needs_cmake
 @pytest.mark.parametrize("prompt", [[5, 9, 2, 33, 7, 1, 0, 12], [5], LONG],
                          ids=["prompt", "one", "long"])
 def test_cpp_app_tokens_equal_the_python_runtime(app, module, prompt):
-    want = _greedy(module, prompt, 20)
+    want = greedy_ids(module, prompt, 20)
     run = subprocess.run([app, module, "--prompt", ",".join(map(str, prompt)), "--steps", "20"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -101,7 +90,7 @@ def test_the_apps_run_a_quantized_module_unchanged(app, int4_module):
     import sys
 
     prompt = [5, 9, 2, 33, 7, 1, 0, 12]
-    want = _greedy(int4_module, prompt, 20)
+    want = greedy_ids(int4_module, prompt, 20)
     run = subprocess.run([app, int4_module, "--prompt", ",".join(map(str, prompt)), "--steps",
                           "20"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -128,7 +117,7 @@ def test_the_apps_run_a_hybrid_with_its_cache_and_position_counter(app, tmp_path
             p.mul_(4)
     path = str(compile_model(model, out=tmp_path / "hybrid.so", schedules="default"))
     prompt = [5, 9, 2, 33, 7, 1]
-    want = _greedy(path, prompt, 12)
+    want = greedy_ids(path, prompt, 12)
     script = os.path.join(ROOT, "export", "python", "generate.py")
     for cmd in ([app, path], [sys.executable, script, path]):
         run = subprocess.run([*cmd, "--prompt", ",".join(map(str, prompt)), "--steps", "12"],
@@ -167,7 +156,7 @@ def test_python_script_runs_without_tvm_python_torch_or_hla_tvm(module, prompt):
                           ",".join(map(str, prompt)), "--steps", "20"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
-    assert [int(t) for t in run.stdout.split()] == _greedy(module, prompt, 20)
+    assert [int(t) for t in run.stdout.split()] == greedy_ids(module, prompt, 20)
 
 
 def test_script_prefill_pieces_equal_the_runtime():

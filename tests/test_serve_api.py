@@ -6,12 +6,12 @@ and SIGTERM. Generated text is checked against the single-sequence loop
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from conftest import free_port
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -26,15 +26,9 @@ def module_path(compiled_lm):
     return compiled_lm("bytes", vocab_size=256, vocab="bytes")[1]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(path, *args):
     """(process, base URL) of `hla-tvm serve path *args`, once /health answers."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hla_tvm", "serve", str(path), "--port",
                              str(port), "--threads", "1", "--log-level", "warning", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,14 +6,13 @@ import os
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 import torch
+from conftest import greedy_ids
 
 import hla_tvm
 from hla_tvm.cli import main
 from hla_tvm.models import HLALM
-from hla_tvm.runtime import load
 from hla_tvm.target import resolve
 
 pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
@@ -43,16 +42,6 @@ def test_missing_cross_linker_fails_before_model_work(monkeypatch, capsys):
         hla_tvm.compile(model, target={"kind": "c"}, out="never.so")
 
 
-def _greedy(path, prompt, steps):
-    m = load(path)
-    logits, state = m.prefill(np.array([prompt]), m.init_state(1))
-    tokens = [int(logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        logits, state = m.decode(np.array(tokens[-1:]), state)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
-
-
 @pytest.mark.skipif(any(shutil.which(c) is None for c in CROSS),
                     reason="needs " + ", ".join(CROSS) + " (Debian: apt install "
                            "gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user-static)")
@@ -76,7 +65,7 @@ def test_aarch64_bundle_app_under_qemu_gives_the_x86_tokens(tmp_path, capsys):
     assert main(["run", str(arm), "--info"]) == 0
     assert "runs on: an aarch64 CPU" in capsys.readouterr().out
     prompt = [5, 9, 2, 33, 7, 1, 0, 12]
-    want = _greedy(str(x86), prompt, 20)
+    want = greedy_ids(str(x86), prompt, 20)
     out = tmp_path / "bundle"
     assert main(["bundle", str(arm), "-o", str(out), "--runtime-from", runtime]) == 0
     assert elf_machine(str(out / "runtime/tvm/lib/libtvm_runtime.so")) == "aarch64"

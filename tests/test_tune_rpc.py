@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_qkv, rel_err
+from conftest import free_port, make_qkv, rel_err
 
 from hla_tvm import hla
 from hla_tvm.cli import main
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.slow   # (beyond the fast subset: conftest.py)
 KEY = "hla-test"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(*args):
     return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -38,7 +32,7 @@ def _start(*args):
 def tracker():
     from tvm import rpc
 
-    port = _free_port()
+    port = free_port()
     procs = [_start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
                     "--port-end", str(port + 1))]
     try:
@@ -50,7 +44,7 @@ def tracker():
             except OSError:
                 assert time.time() < deadline, "the RPC tracker did not start"
                 time.sleep(0.5)
-        sport = _free_port()
+        sport = free_port()
         procs.append(_start("tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}", "--key",
                             KEY, "--host", "127.0.0.1", "--port", str(sport), "--port-end",
                             str(sport + 1)))
@@ -94,7 +88,7 @@ def test_tune_over_rpc_gives_records_that_match_float64(tracker, tmp_path):
 
 def test_rpc_errors_are_clear(tracker, capsys):
     with pytest.raises(ValueError, match="cannot reach the RPC tracker"):
-        tune.rpc_runner(f"127.0.0.1:{_free_port()}", KEY)
+        tune.rpc_runner(f"127.0.0.1:{free_port()}", KEY)
     with pytest.raises(ValueError, match="no RPC server is registered with key 'nokey'"):
         tune.rpc_runner(tracker, "nokey")
     with pytest.raises(ValueError, match="HOST:PORT"):
