@@ -389,7 +389,8 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     metadata says which kernels were scheduled from records (`hla-tvm run --info`).
     max_batch: an upper bound of the batch size (TVM then plans memory statically); the
     runtime refuses larger batches.
-    quantize: None (float32 weights), "bf16", "int8" or "int4": the weights of the projections,
+    quantize: None (float32 weights), "bf16", "int8" or "int4" (or a `quant.Scheme`, as the
+    command line passes it): the weights of the projections,
     the embedding and the output head stored packed and dequantized inside the kernels that
     read them (`hla_tvm.quant`); activations, norms and the HLA state stay float32.
     group_size: input elements per scale (int4: 32 by default, or 64, 128; int8: per output
@@ -422,7 +423,7 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     stages = Stages("compile")
     stages("exporting the model (torch.export, to Relax)")
     mod = to_relax(model, max_batch=max_batch, target=tgt)
-    out = build(mod, meta, tgt, out, records_path, stages)
+    out = build(mod, meta, tgt, out, records_path, stages, sch)
     stages.done()
     return out
 
@@ -466,12 +467,12 @@ def resolve_model_target(target):
     return tgt
 
 
-def build(mod, meta, target, out, records_path=None, stages=None):
+def build(mod, meta, target, out, records_path=None, stages=None, sch=None):
     """Compile the Relax module `mod` (prefill/decode entries, `target_entries` added) with
     `meta` embedded for `target` (`executable`; its "entries" set here) and write the sealed
     library to `out` (atomically); for a CUDA target, its device code beside it where nvcc is
-    installed (`device_code.ship`). `stages`: a `progress.Stages` told each stage. Returns
-    `out`."""
+    installed (`device_code.ship`). `stages`: a `progress.Stages` told each stage; `sch`: the
+    weights' `quant.Scheme` (None: the one `meta` records, if any). Returns `out`."""
     from .runtime import device_code, libfile
 
     stages = stages or Stages("compile", show=False)
@@ -480,7 +481,7 @@ def build(mod, meta, target, out, records_path=None, stages=None):
     if "prefill" in meta["entries"] and mod["prefill"].attrs and \
             PREFILL_SKIPS in mod["prefill"].attrs:
         meta["prefill_skips"] = [int(t) for t in mod["prefill"].attrs[PREFILL_SKIPS]]
-    exe, meta = executable(mod, meta, target, records_path, stages)
+    exe, meta = executable(mod, meta, target, records_path, stages, sch)
     stages("writing the library")
     if target.kind.name == "cuda":   # first: a failing nvcc leaves no library behind
         device_code.ship(exe, out, str(target.attrs["arch"]))
@@ -502,7 +503,7 @@ def _logits_width(mod):
     return int(shape[-1]) if shape and isinstance(shape[-1], tvm.tirx.IntImm) else None
 
 
-def executable(mod, meta, target, records_path=None, stages=None):
+def executable(mod, meta, target, records_path=None, stages=None, sch=None):
     """(executable, its metadata): `tvm.compile` of the Relax module `mod` with `meta`, its
     device and the schedules used added, embedded for `target`, its HLA kernels and projections
     scheduled from the records folder `records_path` where it holds their records (the default
@@ -520,7 +521,7 @@ def executable(mod, meta, target, records_path=None, stages=None):
 
     stages = stages or Stages("compile", show=False)
     stages("preparing the graph (weights packed, operators fused)")
-    sch = from_meta(meta)
+    sch = sch or from_meta(meta)
     if sch is None:
         mod = prepare(mod, target)
     else:

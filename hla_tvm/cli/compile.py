@@ -53,7 +53,9 @@ def main(args):
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     from .. import validate
 
-    checked_scheme(args)   # and a bad scheme (--group-size without --quantize, or with bf16)
+    # and a bad scheme (--group-size without --quantize, or with bf16); this object goes on
+    # to the packing
+    sch = checked_scheme(args)
 
     validate.output_path("-o", args.output)   # and a bad output path
     validate.not_an_input("-o", args.output, args.checkpoint)
@@ -65,8 +67,7 @@ def main(args):
         print(f"compiling {args.checkpoint} (ONNX, hla_tvm::HLA nodes onto the TVM kernels) for "
               f"{describe_target(tgt)} ...", flush=True)
         out = compile_onnx(args.checkpoint, target=tgt, out=args.output,
-                           schedules=args.schedules, quantize=args.quantize,
-                           group_size=args.group_size, tokenizer=args.tokenizer)
+                           schedules=args.schedules, quantize=sch, tokenizer=args.tokenizer)
     else:
         from ..compiler import compile as compile_model
         from ..models.source import load
@@ -75,8 +76,7 @@ def main(args):
         print(f"compiling {args.checkpoint} ({sum(p.numel() for p in model.parameters())} "
               f"parameters) for {describe_target(tgt)} ...", flush=True)
         out = compile_model(model, target=tgt, out=args.output, max_batch=args.max_batch,
-                            schedules=args.schedules, quantize=args.quantize,
-                            group_size=args.group_size, tokenizer=args.tokenizer)
+                            schedules=args.schedules, quantize=sch, tokenizer=args.tokenizer)
     print(f"wrote {out} (hla-tvm run {out} --info describes it)")
     # (an ONNX file's own scheme is compiled as it is: a remedy then means exporting again)
     _report_weights(out, exported=args.checkpoint.endswith(".onnx") and args.quantize is None)

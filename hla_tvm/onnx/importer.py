@@ -326,7 +326,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     sch = sch or recorded
     meta = {**meta, "quantize": None if sch is None else sch.as_meta(),
             **tokenizer_text(tokenizer, meta.get("vocab_size"))}
-    out = build(mod, meta, tgt, out, records_path, stages)
+    out = build(mod, meta, tgt, out, records_path, stages, sch)
     stages.done()
     return out
 

@@ -56,9 +56,15 @@ FLAGS = ("--quantize", "--group-size")
 def scheme(quantize, group_size=None, names=ARGUMENTS):
     """The checked Scheme for quantize= (None: no quantization, returns None) and group_size=
     (int4: default 32, one of GROUP_SIZES; int8: None for per output channel, else one of
-    GROUP_SIZES; bf16: must be None). `names`: what the errors call the two (FLAGS for the
-    command line)."""
+    GROUP_SIZES; bf16: must be None), or `quantize` itself where it is a Scheme already (one
+    object travels from the command line to the packing). `names`: what the errors call the
+    two (FLAGS for the command line)."""
     q, g = names
+    if isinstance(quantize, Scheme):
+        if group_size is not None and group_size != quantize.group_size:
+            raise ValueError(f"{g} {group_size} differs from the scheme's "
+                             f"({quantize.group_size}); give one of them")
+        return quantize
     if quantize is None:
         if group_size is not None:
             raise ValueError(f"{g} is given without {q}; give {q} int8 or int4 to use it")
