@@ -87,8 +87,9 @@ def add_arguments(p):
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja2 chat template (a Hugging Face tokenizer_config.json's "
                         "chat_template, as a file) rendering /v1/chat/completions' messages "
-                        "(default: each message as 'role: content' on a line, then "
-                        "'assistant:')")
+                        "(default: the module's own, kept from the tokenizer_config.json "
+                        "beside its tokenizer; else each message as 'role: content' on a "
+                        "line, then 'assistant:')")
     p.add_argument("--prefix-cache-mb", type=int, default=256, metavar="MB",
                    help="megabytes of prompt-prefix states kept in memory (least recently used "
                         "go first): a prompt that starts with a prefix served before resumes "

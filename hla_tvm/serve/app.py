@@ -203,6 +203,30 @@ def _merged(deltas):
     return list(out.values())
 
 
+def _json_object(body):
+    """The JSON object of a request body; APIError 400 for one that is not JSON, nests too
+    deeply or is not an object."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+def _validated(model_type, data):
+    """`data` as the pydantic `model_type`; APIError 400 naming the field otherwise."""
+    try:
+        return model_type.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply") from None
+    except ValidationError as err:
+        raise _validation_error(err) from None
+
+
 def _validation_error(err):
     first = err.errors()[0]
     loc = ".".join(str(x) for x in first.get("loc", ()) if not isinstance(x, int)) or None
@@ -376,18 +400,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
 
     async def small_body(http, model_type):
         """The request body as `model_type`, refused with 400 as `parse` refuses."""
-        body = await read_body(http)
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            raise APIError(400, f"the request body is not valid JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            return model_type.model_validate(data)
-        except (ValidationError, RecursionError) as err:
-            raise (_validation_error(err) if isinstance(err, ValidationError) else APIError(
-                400, "the request body nests JSON too deeply")) from None
+        return _validated(model_type, _json_object(await read_body(http)))
 
     def has_text(what):
         if model.text is None:
@@ -452,14 +465,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
         return b"".join(parts)
 
     def parse(body, chat=False):
-        try:
-            data = json.loads(body)
-        except RecursionError:
-            raise APIError(400, "the request body nests JSON too deeply") from None
-        except (ValueError, UnicodeDecodeError) as err:
-            raise APIError(400, f"the request body is not valid JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        data = _json_object(body)
         if chat:
             try:
                 data = completion_fields(data, template)
@@ -471,12 +477,7 @@ def create_app(model, *, model_name=None, max_streams=64, max_queue=None, sessio
                 param = "messages" if isinstance(err, TemplateError) else \
                     str(err).split(":")[0]
                 raise APIError(400, str(err), param=param) from None
-        try:
-            req = CompletionRequest.model_validate(data)
-        except RecursionError:
-            raise APIError(400, "the request body nests JSON too deeply") from None
-        except ValidationError as err:
-            raise _validation_error(err) from None
+        req = _validated(CompletionRequest, data)
         single = isinstance(req.prompt, str) or all(isinstance(t, int) for t in req.prompt)
         prompts = [req.prompt] if single else req.prompt
         for field, texts in (("prompt", [p for p in prompts if isinstance(p, str)]),

@@ -39,12 +39,6 @@ from .logit_rules import LogitRules, adjusted, check as check_rules
 from .logprobs import MAX_TOP, scores
 
 
-def _rule_args(fields):
-    """Request's keyword arguments for the logit rules' `fields`."""
-    return {"presence_penalty": fields["presence"], "frequency_penalty": fields["frequency"],
-            "repetition_penalty": fields["repetition"], "logit_bias": fields["bias"]}
-
-
 class QueueFull(RuntimeError):
     """Every stream slot is taken and the waiting queue is full: try again later."""
 
@@ -65,8 +59,9 @@ class Request:
                              f"{min_tokens!r}")
         self.min_tokens = min_tokens
         # (the logit rules' fields, built into `rules` for the model's vocabulary at start)
-        self.rule_fields = dict(presence=presence_penalty, frequency=frequency_penalty,
-                                repetition=repetition_penalty, bias=logit_bias)
+        self.rule_fields = dict(presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty, logit_bias=logit_bias)
         self.rules = None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0 \
                 or (max_tokens == 0 and not echo):
@@ -326,7 +321,7 @@ class Engine:
             choice = Request(req.prompt, req.max_tokens, temperature=req.temperature,
                              top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop,
                              on_event=req.on_event, logprobs=req.logprobs,
-                             min_tokens=req.min_tokens, **_rule_args(req.rule_fields))
+                             min_tokens=req.min_tokens, **req.rule_fields)
             choice.choice, choice.rng = i, np.random.default_rng([req.seed, i])
             choice.rules = req.rules.copy() if req.rules is not None else None
             choice.decode_text = self.model.text.decoder() if self.model.text else None
@@ -397,12 +392,14 @@ class Engine:
     def _leave(self, req):
         """Take `req` out of the batch (its state kept on `req` when it saves a session); the
         pool moves the last row's state into req's row, and the list its stream likewise."""
-        if req.save is not None and req.finish_reason != "cancelled":
-            req.state = self.pool.get(req.row)
-        if self._caches(req) and req.finish_reason != "cancelled":
+        kept = req.finish_reason != "cancelled" and (req.save is not None or self._caches(req))
+        state = self.pool.get(req.row) if kept else None
+        if req.save is not None and kept:
+            req.state = state
+        if self._caches(req) and kept:
             # (the state has fed the prompt and every chosen token but the last: a follow-up
             # prompt, such as a chat's next turn, resumes after the answer)
-            self.prefix_cache.put(req.prompt + req.ids[:-1], self.pool.get(req.row))
+            self.prefix_cache.put(req.prompt + req.ids[:-1], state)
         moved = self.pool.remove(req.row)
         last = self.active.pop()
         if moved is not None:

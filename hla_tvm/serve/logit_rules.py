@@ -16,17 +16,21 @@ import numpy as np
 MAX_BIAS = 1024   # entries of one request's logit_bias
 
 
-def check(presence=0.0, frequency=0.0, repetition=1.0, bias=None, vocab=None):
-    """ValueError naming the field for a value outside its range (`bias`: {token id: value})."""
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+def check(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+          logit_bias=None, vocab=None):
+    """ValueError naming the field for a value outside its range (`logit_bias`: {token id:
+    value})."""
+    for name, value in (("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty)):
         if not -2 <= value <= 2:
             raise ValueError(f"{name} must lie in [-2, 2], got {value}")
-    if not 0 < repetition <= 10:
-        raise ValueError(f"repetition_penalty must lie in (0, 10], got {repetition}")
-    if bias:
-        if len(bias) > MAX_BIAS:
-            raise ValueError(f"logit_bias takes at most {MAX_BIAS} tokens, got {len(bias)}")
-        for tok, value in bias.items():
+    if not 0 < repetition_penalty <= 10:
+        raise ValueError(f"repetition_penalty must lie in (0, 10], got {repetition_penalty}")
+    if logit_bias:
+        if len(logit_bias) > MAX_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_BIAS} tokens, got "
+                             f"{len(logit_bias)}")
+        for tok, value in logit_bias.items():
             if not 0 <= tok < (vocab or 2 ** 63):
                 raise ValueError(f"logit_bias token ids must lie in [0, {vocab}), got {tok}")
             if not -100 <= value <= 100:
@@ -36,25 +40,29 @@ def check(presence=0.0, frequency=0.0, repetition=1.0, bias=None, vocab=None):
 class LogitRules:
     """One stream's rules over a vocabulary of `vocab` tokens after `prompt` (token ids)."""
 
-    def __init__(self, vocab, prompt, *, presence=0.0, frequency=0.0, repetition=1.0,
-                 bias=None):
-        check(presence, frequency, repetition, bias, vocab)
-        self.presence, self.frequency, self.repetition = presence, frequency, repetition
+    def __init__(self, vocab, prompt, *, presence_penalty=0.0, frequency_penalty=0.0,
+                 repetition_penalty=1.0, logit_bias=None):
+        check(presence_penalty, frequency_penalty, repetition_penalty, logit_bias, vocab)
+        self.presence, self.frequency, self.repetition = \
+            presence_penalty, frequency_penalty, repetition_penalty
         self.bias = None
-        if bias:
+        if logit_bias:
             self.bias = np.zeros(vocab)
-            for tok, value in bias.items():
+            for tok, value in logit_bias.items():
                 self.bias[tok] = value
-        self.counts = np.zeros(vocab, np.int64) if presence or frequency else None
+        self.counts = np.zeros(vocab, np.int64) if presence_penalty or frequency_penalty \
+            else None
         self.seen = None
-        if repetition != 1:
+        if repetition_penalty != 1:
             self.seen = np.zeros(vocab, bool)
             self.seen[np.asarray(prompt, np.int64)] = True
 
     @staticmethod
-    def wanted(presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    def wanted(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+               logit_bias=None):
         """Whether any rule changes the logits."""
-        return bool(presence or frequency or repetition != 1 or bias)
+        return bool(presence_penalty or frequency_penalty or repetition_penalty != 1 or
+                    logit_bias)
 
     def copy(self):
         out = object.__new__(LogitRules)
