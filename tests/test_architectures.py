@@ -115,9 +115,10 @@ def _model(name):
     return model
 
 
-def _check(module_path, ref, tol):
+def _check(module_path, ref, tol, decode_tol=None):
     """Prefill 9 + 8 tokens (two pieces), then 6 decode steps (past the hybrid's window of 12
-    and the GPT-2's 32 positions wrap: 23 tokens): the module against `ref`."""
+    and the GPT-2's 32 positions wrap: 23 tokens): the module against `ref`, within `tol` of
+    the largest logit (the decode steps within `decode_tol` where given)."""
     m = load(module_path)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -132,7 +133,8 @@ def _check(module_path, ref, tol):
         got, state = m.decode(tok, state)
         with torch.no_grad():
             want, st = ref(torch.from_numpy(tok)[:, None], st)
-        np.testing.assert_allclose(got, want[:, 0].numpy(), rtol=0, atol=tol * scale)
+        np.testing.assert_allclose(got, want[:, 0].numpy(), rtol=0,
+                                   atol=(decode_tol or tol) * scale)
 
 
 def _params(fast):
@@ -150,13 +152,15 @@ def test_architecture_matches_pytorch(name, tmp_path):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_int4_architecture_matches_its_dequantized_model(name, tmp_path):
     """int4 weights (group 32) wherever the compiler packs them (nn.Linear, Conv1D, the
-    embedding): the module against PyTorch running the dequantized weights."""
+    embedding): the module against PyTorch running the dequantized weights (decode within
+    2e-4: where the CPU has VNNI its products take the activations as two 8-bit digits a
+    block, `quant.vnni`, 1.6e-5 of a block's largest |x|)."""
     from hla_tvm.quant import scheme
     from hla_tvm.quant.torch_weights import dequantized_model
 
     model = _model(name)
     path = compile_model(model, out=tmp_path / f"{name}4.so", quantize="int4")
-    _check(path, dequantized_model(model, scheme("int4", None)).eval(), 5e-5)
+    _check(path, dequantized_model(model, scheme("int4", None)).eval(), 5e-5, 2e-4)
 
 
 def test_rotary_positions_equal_transformers():

@@ -103,8 +103,10 @@ def units(schemes, target):
     lanes = vnni.lanes(target)
     for sch in ("int8", "int4"):
         if sch in schemes and lanes:
+            digits = vnni.DIGITS[sch]
             out.append(f"tvm {sch}: decode products on VPDPBUSD ({32 * lanes}-bit; activations "
-                       "as three 8-bit digits, float32 precision)")
+                       f"as {digits} 8-bit digits a block, "
+                       f"{vnni.precision(digits):.0e} of its largest |x|)")
     if has_bf16_units():
         out.append("torch bf16: oneDNN's bfloat16 kernels (AMX or AVX512-BF16 where present)")
     return out

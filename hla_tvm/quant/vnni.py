@@ -1,40 +1,51 @@
 """A decode step's int8 / int4 product on the CPU's integer dot products (VPDPBUSD, AVX512-VNNI
-or AVX-VNNI), to float32 precision: x [M, K] float32 @ W [K, N] -> out [M, N] float32, with W
-the scheme's stored integers (`scheme`) and scales,
+or AVX-VNNI): x [M, K] float32 @ W [K, N] -> out [M, N] float32, with W the scheme's stored
+integers (`scheme`) and scales,
 
     W[k, n] = (u[k, n] - o) s[k // g, n]      u unsigned (int8: q + 128, o = 128; int4: o = 8)
 
-The activations are not rounded to 8 bits: each row's block of BLOCK inputs is written as
-DIGITS signed 8-bit digits in base RADIX of x / t, t = max |x| / 127 over the block,
+The activations are not rounded to 8 bits: each row's block of BLOCK inputs is written as D
+signed 8-bit digits in base R = RADIX of x / t, t = max |x| / 127 over the block,
 
-    x / t = d0 + d1 / R + d2 / R^2 + e,   d_i = round(remainder), |e| <= 1 / (2 R^2)
+    x / t = d0 + d1 / R + ... + d_{D-1} / R^(D-1) + e,   d_i = round(remainder),
+    |e| <= 1 / (2 R^(D-1))
 
-so the sum is the float32 product up to 6e-8 of the block's largest |x| a row (an int8 weight
-times ONNX Runtime's int8 activations per block would be 4e-3 off). Per block and column:
+with D = DIGITS[scheme]: int8 three (the sum is the float32 product up to 6e-8 of the block's
+largest |x| a row), int4 two (up to 1.6e-5 of it: 1 / (2 127 254); int4's own rounding of the
+weights is 1 / 14 of a group's largest |W|, and an int8 weight times ONNX Runtime's int8
+activations per block would be 4e-3 off). Per block and column:
 
     c_i = sum_{k in block} u[k, n] d_i[k] - o sum_k d_i[k]            (int32, VPDPBUSD: u8 x s8)
-    out[m, n] += (c0 + c1 / R + c2 / R^2) t s[block's group, n]
+    out[m, n] += (c0 + c1 / R + ... + c_{D-1} / R^(D-1)) t s[block's group, n]
 
 The stored integers are in quads (`panels.quads`): 32-bit words of four bytes, the layout of
 VPDPBUSD's unsigned operand (int8: one row each; int4: two nibbles each, rows 8r + j low and
 8r + 4 + j high). Loops (`matvec_func`, symbolic M): the rows' digits first (serial), then for
 each panel of P columns (parallel), each row: the blocks of K, each in parts of at most 4
-vectors of columns (3 x 4 int32 sums and the P float32 sums in registers), each block asking
+vectors of columns (D x 4 int32 sums and the P float32 sums in registers), each block asking
 the cache for the weights `matvec.PREFETCH` bytes ahead (not on AMD Zen: `matvec.
-prefetch_bytes`). A row holding a NaN or an infinity
-gives NaN.
+prefetch_bytes`). A row holding a NaN or an infinity gives NaN.
 
-Measured on the Xeon VM (2 cores, 2026-12-07), 768 x 6144 (the 120 M preset's gate and up
-projection), weights cold as in a decode step: int8 106-149 us (float path, `kernels.
-group_matvec`: 235-278), int4 67-101 us; without the prefetch 176-217 and 145-170
-(docs/cpu_schedules.md)."""
+Measured on the Xeon VM (2 cores, 2026-12-07, `TVM_NUM_THREADS=2`), 768 x 6144 (the 120 M
+preset's gate and up projection), 100 MB of weight copies read in turn as a decode step reads
+them, fastest of 7: int8 84-91 us with three digits (55 GB/s), 84 with two; int4 62.6 us with
+three, 44.4 with two (53 GB/s), 43.4 with one: int4's unpacking and products bound it with three
+digits (43 GB/s with its weights in cache), int8 reads at the cache's rate with three.
+Without the prefetch int8 took 96-104 us, int4 (two digits) 61 us (docs/cpu_schedules.md)."""
 from __future__ import annotations
 
 BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
-DIGITS, RADIX = 3, 254
+DIGITS = {"int8": 3, "int4": 2}   # activation digits a block, per scheme
+RADIX = 254
 OFFSET = {"int8": 128, "int4": 8}
 FEATURES = {16: "avx512vnni", 8: "avxvnni"}   # int32 lanes -> the feature giving VPDPBUSD
 INTRINSIC = {16: "llvm.x86.avx512.vpdpbusd.512", 8: "llvm.x86.avx512.vpdpbusd.256"}
+
+
+def precision(digits):
+    """The most that `digits` digits a block leave an input off by, as a fraction of its
+    block's largest |x|: 1 / (2 127 RADIX^(digits - 1))."""
+    return 1 / (2 * 127 * RADIX ** (digits - 1))
 
 
 def lanes(target):
@@ -71,11 +82,12 @@ def _part(vectors):
     return 4 if vectors % 4 == 0 else vectors
 
 
-def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
+def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=None):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 4 (int4: / 8), P] uint32, scale [K / g, N],
     out [M, N] float32), M symbolic, computing out as the module docstring says (the rows'
     digits in a workspace of its own), asking the cache for the weights `ahead` bytes on
-    (`matvec.PREFETCH` where None, none where 0: `matvec.prefetch_bytes`); scheduled already."""
+    (`matvec.PREFETCH` where None, none where 0: `matvec.prefetch_bytes`), with `digits`
+    activation digits a block (None: the scheme's, DIGITS); scheduled already."""
     from tvm.script import tirx as T
 
     from .matvec import PREFETCH, prefetch
@@ -92,9 +104,17 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
     steps = BLOCK // 4   # VPDPBUSD steps of 4 inputs a block
     block_words = steps // 2 if int4 else steps   # rows of q a block
     ahead = PREFETCH if ahead is None else ahead
+    digits = DIGITS[sch.name] if digits is None else digits
     lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
     ahead = max(1, ahead // (4 * p * block_words))   # blocks
-    inv1, inv2 = 1.0 / RADIX, 1.0 / RADIX / RADIX
+
+    def combine(acc, v):
+        """c0 + c1 / R + c2 / R^2 + ... of the digits' int32 sums for vector v, in float32."""
+        total = T.Cast(fvec, acc[T.ramp(v * lw, 1, lw)])
+        for d in range(1, digits):
+            total = total + T.Cast(fvec, acc[T.ramp(d * span + v * lw, 1, lw)]) * \
+                T.broadcast(T.float32(1.0 / RADIX ** d), lw)
+        return total
 
     def operand(q, jb, b, s, col):
         """The weights of inputs 4s..4s+3 of block b for the lanes from column `col` of panel
@@ -112,10 +132,10 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), "float32")
         out = T.match_buffer(var_out, (m, n), "float32")
-        dig = T.decl_buffer((m, DIGITS, k), "int8", align=64)
+        dig = T.decl_buffer((m, digits, k), "int8", align=64)
         t = T.decl_buffer((m, blocks), "float32")
-        off = T.decl_buffer((m, DIGITS, blocks), "int32")
-        dw = T.decl_buffer((m, DIGITS, k // 4), "int32", data=dig.data)   # 4 digits a word
+        off = T.decl_buffer((m, digits, blocks), "int32")
+        dw = T.decl_buffer((m, digits, k // 4), "int32", data=dig.data)   # 4 digits a word
         qf = T.decl_buffer((n // p * words * p,), "uint32", data=q.data)
         # each row's digits, block by block
         for r, b in T.grid(m, blocks):
@@ -133,26 +153,26 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
             scale_t[0] = T.Select(top[0] > T.float32(0), top[0] / T.float32(127), T.float32(1))
             t[r, b] = T.Select(bad[0] == 0, scale_t[0], T.reinterpret("float32",
                                                                         T.uint32(0x7FC00000)))
-            total = T.decl_buffer((DIGITS,), "int32")
-            for d in range(DIGITS):
+            total = T.decl_buffer((digits,), "int32")
+            for d in range(digits):
                 total[d] = 0
             for i in range(BLOCK):
                 rest = T.decl_buffer((1,), "float32")
                 rest[0] = T.float32(0)
                 if bad[0] == 0:
                     rest[0] = x[r, b * BLOCK + i] / scale_t[0]
-                for d in range(DIGITS):
+                for d in range(digits):
                     digit = T.decl_buffer((1,), "float32")
                     digit[0] = T.round(rest[0])
                     dig[r, d, b * BLOCK + i] = T.Cast("int8", digit[0])
                     total[d] = total[d] + T.Cast("int32", digit[0])
                     rest[0] = (rest[0] - digit[0]) * T.float32(RADIX)
-            for d in range(DIGITS):
+            for d in range(digits):
                 off[r, d, b] = total[d] * (-o)
         for jb in T.parallel(n // p):
             for r in range(m):
                 sums = T.decl_buffer((p,), "float32")
-                acc = T.decl_buffer((DIGITS * span,), "int32")
+                acc = T.decl_buffer((digits * span,), "int32")
                 for c in T.vectorized(p):
                     sums[c] = T.float32(0)
                 for b in range(blocks):
@@ -162,10 +182,10 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
                                 qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
                                 n // p * words * p - 1))
                     for h in T.unroll(parts):
-                        for d, v in T.grid(DIGITS, part):
+                        for d, v in T.grid(digits, part):
                             acc[T.ramp(d * span + v * lw, 1, lw)] = T.broadcast(off[r, d, b], lw)
                         for s in T.unroll(steps):
-                            for d in T.unroll(DIGITS):
+                            for d in T.unroll(digits):
                                 for v in T.unroll(part):
                                     acc[T.ramp(d * span + v * lw, 1, lw)] = \
                                         T.call_llvm_pure_intrin(
@@ -176,11 +196,7 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
                         for v in T.unroll(part):
                             sums[T.ramp(h * span + v * lw, 1, lw)] = \
                                 sums[T.ramp(h * span + v * lw, 1, lw)] + (
-                                    T.Cast(fvec, acc[T.ramp(v * lw, 1, lw)]) +
-                                    T.Cast(fvec, acc[T.ramp(span + v * lw, 1, lw)]) *
-                                    T.broadcast(T.float32(inv1), lw) +
-                                    T.Cast(fvec, acc[T.ramp(2 * span + v * lw, 1, lw)]) *
-                                    T.broadcast(T.float32(inv2), lw)) * \
+                                    combine(acc, v)) * \
                                 T.broadcast(t[r, b], lw) * \
                                 scale[b * BLOCK // g, T.ramp(jb * p + h * span + v * lw, 1, lw)]
                 for c in T.vectorized(p):
