@@ -105,8 +105,8 @@ def units(schemes, target):
         if sch in schemes and lanes:
             digits = vnni.DIGITS[sch]
             out.append(f"tvm {sch}: decode products on VPDPBUSD ({32 * lanes}-bit; activations "
-                       f"as {digits} 8-bit digits a block, "
-                       f"{vnni.precision(digits):.0e} of its largest |x|)")
+                       f"as {digits} 8-bit digits a block, within "
+                       f"{vnni.precision(digits):.0e} of the block's largest |x|)")
     if has_bf16_units():
         out.append("torch bf16: oneDNN's bfloat16 kernels (AMX or AVX512-BF16 where present)")
     return out
