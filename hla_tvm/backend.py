@@ -325,14 +325,14 @@ def prefill(fam, q, k, v, gamma, state, *, chunk_size, target, schedules="auto",
     reference's names, accumulation dtype, contiguous, owned by the caller; the operator's
     key/value-only entries with the key/value heads) is advanced in place past the T tokens.
     opts from `kernel_options`; schedules as for `module`. On a CUDA target the chunk is the
-    largest up to chunk_size whose tiles fit the GPU (`schedule.rules.cuda.limits.gpu_chunk`;
+    largest up to chunk_size whose tiles fit the GPU (`schedule.gpu_limits.gpu_chunk`;
     outputs do not depend on it)."""
     dk, dv = q.shape[-1], v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
     chain = chains.prefill(fam)
     group = q.shape[1] // k.shape[1]
     if target.kind.name == "cuda":
-        from .schedule.rules.cuda import limits
+        from .schedule import gpu_limits as limits
 
         chunk_size = limits.gpu_chunk(chain, dk, dv, target, chunk=chunk_size, group=group,
                                       **opts)

@@ -1,4 +1,4 @@
-"""bfloat16 products in pairs (`ops.common.pairs`, vdpbf16ps through `schedule.rules.cpu.bf16_dot`):
+"""bfloat16 products in pairs (`ops.common.pairs`, vdpbf16ps through `schedule.steps.cpu.bf16_dot`):
 the rounding of the packing against PyTorch's float32 -> bfloat16 conversion, the pair form
 of K^T K against float64 on every x86 CPU (vdpbf16ps where the host has AVX512-BF16, plain
 vector code elsewhere), and which targets get the option."""

@@ -12,8 +12,8 @@ from hla_tvm.ops import chains
 from hla_tvm.runtime.device_code import compile_cuda, cuda_source, nvcc
 from hla_tvm.schedule import schedule_module
 from hla_tvm.schedule.rules import cuda
-from hla_tvm.schedule.rules.cuda import limits
-from hla_tvm.schedule.rules.cuda.limits import check
+from hla_tvm.schedule import gpu_limits as limits
+from hla_tvm.schedule.gpu_limits import check
 from hla_tvm.schedule.tuning import records
 from hla_tvm.target import CUDA_SHARED_MEMORY, resolve
 
@@ -61,7 +61,7 @@ def test_scans_alone_run_one_element_per_thread():
     import tvm
     from tvm import s_tir
 
-    from hla_tvm.schedule.rules.cuda.scan_lanes import scan_lanes
+    from hla_tvm.schedule.steps.cuda.scan_lanes import scan_lanes
 
     for fam in FAMILIES:
         for chain in _chains(fam):
@@ -141,8 +141,8 @@ def test_every_kernel_runs_on_many_threads_and_in_place_kernels_are_told_apart()
     """A kernel on a handful of threads ran 280 times slower on an H200 (third order's cross
     kernel: an output written and read back was taken for an in-place update, and a 65-element
     stage then set the thread count to 1)."""
-    from hla_tvm.schedule.rules.cuda.shared_scratch import hoist
-    from hla_tvm.schedule.rules.cuda.stage_syncs import reads_back, updates_in_place
+    from hla_tvm.schedule.steps.cuda.shared_scratch import hoist
+    from hla_tvm.schedule.steps.cuda.stage_syncs import reads_back, updates_in_place
 
     in_place = set()
     for fam in FAMILIES:

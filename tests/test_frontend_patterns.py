@@ -389,7 +389,7 @@ def test_rules_leave_kernels_without_a_root_block():
     from hla_tvm.compiler import legalize
     from hla_tvm.schedule import common
     from hla_tvm.schedule.rules import cpu
-    from hla_tvm.schedule.rules.cuda import inline_scratch, scan_lanes, shared_scratch
+    from hla_tvm.schedule.steps.cuda import inline_scratch, scan_lanes, shared_scratch
     from hla_tvm.target import resolve
 
     T = tirx.Var("T", "int64")

@@ -141,3 +141,17 @@ def test_no_module_imports_another_modules_private_names():
                for n in names if n.startswith("_") and not n.startswith("__")
                and _resolve(target) != m]
     assert not private, private
+
+
+def test_each_rules_module_holds_one_rule_class():
+    """`schedule/rules/{cpu,cuda}/`: one dlight rule class a module (its helpers beside it as
+    functions); the rules' steps live in `schedule/steps/`, and no step imports a rule."""
+    for m, path in MODULES.items():
+        if m.startswith("hla_tvm.schedule.rules.") and m.count(".") == 4:
+            classes = [n.name for n in ast.parse(open(path).read()).body
+                       if isinstance(n, ast.ClassDef)]
+            assert len(classes) == 1, (m, classes)
+    upward = [(m, t) for m, ts in _graph().items() for t in ts
+              if m.startswith("hla_tvm.schedule.steps") and
+              t.startswith("hla_tvm.schedule.rules")]
+    assert not upward, upward

@@ -192,7 +192,7 @@ def test_chunk_gemm_tile_stays_on_the_stack(lanes, elem_bytes, rows, cols):
     """The chunk products' register tile stays under TVM's stack limit (1 kB): a tile of 1 kB
     or more comes from the workspace allocator, where LLVM stored every accumulator after each
     multiply-add (AVX-512's 8 x 32 float tile: the chunk kernels ran 1.8-2x slower)."""
-    from hla_tvm.schedule.rules.cpu.chunk_gemm import STACK_BYTES, tile
+    from hla_tvm.schedule.steps.cpu.chunk_gemm import STACK_BYTES, tile
 
     shape = tile(rows, cols, lanes, elem_bytes)
     assert shape is not None

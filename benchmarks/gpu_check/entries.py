@@ -63,7 +63,7 @@ def entries(target, checks=CHECKS, timed=True):
     run (a prefill and a decode each) and, with `timed`, the timed decodes; chunk: what the
     prefill runs with on `target` (`limits.gpu_chunk`), None for decode."""
     from hla_tvm.ops import chains
-    from hla_tvm.schedule.rules.cuda import limits
+    from hla_tvm.schedule import gpu_limits as limits
 
     wanted = []
     for fam, dtype, d, group, normalize in checks:

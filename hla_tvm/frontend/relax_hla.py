@@ -65,7 +65,7 @@ _GPU_TARGET = contextvars.ContextVar("hla_tvm_gpu_target", default=None)
 @contextlib.contextmanager
 def chunks_for(target):
     """Within: prefill chains emitted for a CUDA `target` use the largest chunk up to the
-    model's whose tiles fit the GPU's shared memory (`schedule.rules.cuda.limits.gpu_chunk`; the
+    model's whose tiles fit the GPU's shared memory (`schedule.gpu_limits.gpu_chunk`; the
     outputs do not depend on the chunk size). Other targets keep the model's chunk."""
     token = _GPU_TARGET.set(target if target is not None and target.kind.name == "cuda"
                             else None)
@@ -93,7 +93,7 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     if _GPU_TARGET.get() is not None:
         opts = {**opts, **chains.gpu_options(chain)}
     if _GPU_TARGET.get() is not None and not decode:
-        from ..schedule.rules.cuda.limits import gpu_chunk
+        from ..schedule.gpu_limits import gpu_chunk
 
         chunk = gpu_chunk(chain, dk, dv, _GPU_TARGET.get(), chunk=chunk, group=group,
                           dtype=dtype, **opts)

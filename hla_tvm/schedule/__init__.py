@@ -1,7 +1,9 @@
 """Schedules of the HLA kernels and of the other functions of a compiled model.
 
     rules/cpu, rules/cuda    the default rules per target kind, dlight ScheduleRules (one
-                             interface: apply(func, target, tunable)), their steps one per module
+                             interface: apply(func, target, tunable)), one rule class a module
+    steps/cpu, steps/cuda    the steps of the HLA kernels' rules, one per module
+    gpu_limits               what fits a GPU: scheduled kernels checked against its limits
     tuning/                  tuned records (`records`), the tuner (`tune`), a compiled model's
                              tunable functions (`model`)
     shapes                   the shapes kernels are specialized to (tuning, records, GPU limits)
@@ -29,11 +31,11 @@ def default_rules(target):
 
 
 def register_intrinsics():
-    """Register the project's TVM tensor intrinsics (`rules.cpu.bf16_dot`), once a process.
+    """Register the project's TVM tensor intrinsics (`steps.cpu.bf16_dot`), once a process.
     meta_schedule parses every trace of a records database when it opens one, and a trace that
     tensorizes with an intrinsic not registered yet fails the whole database, so whatever opens
     records calls this first."""
-    from .rules.cpu import bf16_dot
+    from .steps.cpu import bf16_dot
 
     bf16_dot.register()
 

@@ -1,6 +1,6 @@
 """The shapes kernels are specialized to: for tuning, for finding their tuned records
 (`tuning.records`, matched by structural hash) and for checking a GPU's limits
-(`rules.cuda.limits`). A kernel has symbolic batch, heads and length; `TUNE_SHAPE` fixes them
+(`gpu_limits`). A kernel has symbolic batch, heads and length; `TUNE_SHAPE` fixes them
 (batch 1, 8 query heads, 4096 tokens; one for decode)."""
 from __future__ import annotations
 

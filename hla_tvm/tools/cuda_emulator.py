@@ -193,7 +193,7 @@ def _host_launches(func, target):
     `func` compiled for `target`: the launches its host function makes, in order."""
     from ..runtime.device_code import cuda_source
     from ..schedule.common import walk
-    from ..schedule.rules.cuda.limits import split_host_device
+    from ..schedule.gpu_limits import split_host_device
 
     exe, _, split = split_host_device(func, target)
     host = next(f for f in split if f.attrs is not None and "tirx.is_entry_func" in f.attrs)

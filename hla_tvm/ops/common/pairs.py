@@ -10,7 +10,7 @@ with bits(x) the bfloat16 nearest x (round to nearest even; exact for a bfloat16
 lo(p) = the float32 of p's low half, hi(p) of its high half. Both operands are packed the same
 way, [pairs of the reduction, free axis], so one 64-byte row of B holds the pairs of 16 columns:
 the layout of VDPBF16PS (16 x 2 products, float32 accumulation, one instruction), which
-`schedule.rules.cpu.bf16_dot` puts in for the 32 columns of a register tile. The sums are those
+`schedule.steps.cpu.bf16_dot` puts in for the 32 columns of a register tile. The sums are those
 of the float32 product of the same bfloat16 numbers up to float32 rounding order."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import functools
 
 from tvm.script import tirx as T
 
-# the block attribute that marks a pair product (`schedule.rules.cpu.chunk_gemm` tensorizes it)
+# the block attribute that marks a pair product (`schedule.steps.cpu.chunk_gemm` tensorizes it)
 PAIR_PRODUCT = "hla_tvm.bf16_pairs"
 FEATURE = "avx512bf16"   # the LLVM CPU feature of vdpbf16ps
 

@@ -1,8 +1,9 @@
 """Default CPU schedule rules, each a dlight `ScheduleRule` (`apply(func, target, tunable)`
 returns a schedule, or None for a function it does not take):
 
-    hla_kernels.HLAKernels           an HLA kernel (its steps: parallel_outer, chunk_gemm,
-                                     vectorize_inner; matmul_tiles for a tuned projection)
+    hla_kernels.HLAKernels           an HLA kernel (its steps, `schedule.steps.cpu`:
+                                     parallel_outer, chunk_gemm, vectorize_inner; matmul_tiles
+                                     for a tuned projection)
     group_matvec.GroupMatvec         a decode step's int8 / int4 product, scales out of its sums
     matmul_tiles.MatmulTiles         a model's x @ W[K, N] with its element-wise epilogue
     serial_small.SerialSmall         a small function of static shapes, serial

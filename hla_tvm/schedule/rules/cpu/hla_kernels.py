@@ -15,9 +15,9 @@ from tvm.s_tir import dlight as dl
 
 from ....ops.common import pairs
 from . import matmul_tiles
-from .chunk_gemm import chunk_gemm
-from .parallel_outer import parallel_outer
-from .vectorize_inner import vectorize_inner
+from ...steps.cpu.chunk_gemm import chunk_gemm
+from ...steps.cpu.parallel_outer import parallel_outer
+from ...steps.cpu.vectorize_inner import vectorize_inner
 
 
 def _target(target):

@@ -1,6 +1,6 @@
 """Default CUDA schedule rules: `hla_kernels.HLAKernels`, a dlight `ScheduleRule` (the
-interface of the CPU rules too), whose steps are the other modules here; `limits` says what fits
-a GPU. `scheduled` applies it to one PrimFunc, remembered per process. The other functions of a
+interface of the CPU rules too), whose steps are `schedule.steps.cuda`; `schedule.gpu_limits`
+says what fits a GPU. `scheduled` applies it to one PrimFunc, remembered per process. The other functions of a
 compiled model get TVM's GPU defaults (`dlight`)."""
 from __future__ import annotations
 

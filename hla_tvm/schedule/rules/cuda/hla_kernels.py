@@ -15,12 +15,12 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
-from .block_per_outer import block_per_outer
-from .inline_scratch import inline_scratch
-from .scan_lanes import scan_lanes
-from .shared_scratch import hoist, shared_scratch
-from .stage_syncs import reads_back, updates_in_place, with_syncs
-from .thread_stages import TILES, mask_write_backs, product_threads, stage_threads, thread_stages
+from ...steps.cuda.block_per_outer import block_per_outer
+from ...steps.cuda.inline_scratch import inline_scratch
+from ...steps.cuda.scan_lanes import scan_lanes
+from ...steps.cuda.shared_scratch import hoist, shared_scratch
+from ...steps.cuda.stage_syncs import reads_back, updates_in_place, with_syncs
+from ...steps.cuda.thread_stages import TILES, mask_write_backs, product_threads, stage_threads, thread_stages
 
 THREADS = 128   # threads per block of a kernel updating its state in place: four warps
 # threads per block of a chunk kernel whose matrix products fill them (`product_threads`): eight

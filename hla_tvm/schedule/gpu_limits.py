@@ -98,8 +98,8 @@ def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
     """The chunk size `chain`'s kernels run with on a CUDA `target`: `chunk`, or the largest
     half of it whose kernels fit the architecture's shared memory (`check`;
     the chunked form's outputs do not depend on the chunk size). Remembered per process."""
-    from ...shapes import tuning_kernels
-    from . import scheduled
+    from .rules.cuda import scheduled
+    from .shapes import tuning_kernels
 
     key = (chain.family, dk, dv, str(target), chunk, group, tuple(sorted(opts.items())))
     if key not in _FITS:
