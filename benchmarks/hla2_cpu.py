@@ -2,7 +2,7 @@
 
     python benchmarks/hla2_cpu.py
 """
-from hla_tvm.cli.bench import run
+from hla_tvm.bench.operator import run
 
 if __name__ == "__main__":
     for length in (1024, 8192):

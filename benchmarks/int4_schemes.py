@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hla_tvm.cli.demo import SHIPPED
-from hla_tvm.cli.evaluate import TorchLM, evaluate, held_out_bytes
+from hla_tvm.models import SHIPPED
+from hla_tvm.evaluate import TorchLM, evaluate, held_out_bytes
 from hla_tvm.models.source import load
 from hla_tvm.quant.scheme import dequantize, quantize, scheme
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 
-from hla_tvm.cli import bench, timing
+from hla_tvm.bench import operator as bench, timing
 
 CASES = ("tvm", "torch", "torch_sdpa")
 

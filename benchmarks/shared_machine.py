@@ -54,7 +54,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300, help="decode steps timed")
     a = p.parse_args()
-    from hla_tvm.cli import demo
+    from hla_tvm import demo
     from hla_tvm.models import HLALM
     from hla_tvm.runtime.pool import physical_cores
     from hla_tvm.target import resolve

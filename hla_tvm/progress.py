@@ -8,8 +8,10 @@
 $HLA_TVM_PROGRESS=1 shows them anywhere, 0 nowhere; `show` overrides both."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 
 
@@ -48,3 +50,35 @@ def _is_terminal(stream):
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+@contextlib.contextmanager
+def progress_line(message, stream=None):
+    """Show `message` with the seconds elapsed, refreshed each second on a terminal (once
+    elsewhere), until the block ends; then the time it took."""
+    stream = stream or sys.stderr
+    done = threading.Event()
+    t0 = time.perf_counter()
+    tty = stream.isatty()
+
+    def tick():
+        while not done.wait(1.0):
+            stream.write(f"\r{message} {time.perf_counter() - t0:.0f} s")
+            stream.flush()
+
+    stream.write(message + ("" if tty else "\n"))
+    stream.flush()
+    thread = threading.Thread(target=tick, daemon=True) if tty else None
+    if thread:
+        thread.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        if thread:
+            thread.join()
+        took = f"{'done' if ok else 'failed'} after {time.perf_counter() - t0:.0f} s"
+        stream.write(f"\r{message} {took}\n" if tty else f"  {took}\n")
+        stream.flush()

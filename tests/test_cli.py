@@ -59,7 +59,7 @@ def test_bench_decode_and_prefill_print_tables_and_json(capsys, tmp_path):
 def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
     """A timed run that started before the process went idle (settle gave up after 1 s) is
     counted and named under the table, not passed over."""
-    from hla_tvm.cli import timing
+    from hla_tvm.bench import timing
 
     assert "note:" not in capsys.readouterr().out
     monkeypatch.setattr(timing, "settle", lambda: False)
@@ -71,7 +71,7 @@ def test_bench_says_when_it_timed_a_busy_process(capsys, monkeypatch):
 def test_a_self_timed_case_counts_its_own_seconds_over_at_most_its_calls(monkeypatch):
     """A mixed case's slow `before` runs once per counted call, at most `max_calls` a round,
     and only the call itself is timed."""
-    from hla_tvm.cli import timing
+    from hla_tvm.bench import timing
 
     monkeypatch.setattr(timing, "settle", lambda: True)
     ran = {"before": 0, "fn": 0, "plain": 0}
@@ -260,7 +260,7 @@ def test_bench_model_compares_schemes_and_peers_in_one_table(capsys, tmp_path):
     assert {"tvm float32", "tvm int4", "torch", "torch.compile", "onnxruntime",
             "onnxruntime int4", "floor float32", "floor int4"} <= cases, (cases, out)
     assert report["notes"] == []
-    from hla_tvm.cli.bench_model import has_bf16_units
+    from hla_tvm.bench.model import has_bf16_units
 
     # where the CPU multiplies bfloat16, PyTorch's bfloat16 autocast is a peer too
     assert ({"torch bf16", "torch.compile bf16"} <= cases) == has_bf16_units()

@@ -12,6 +12,8 @@ too). The layers, lowest first:
     nn, models, frontend      PyTorch layers and models; torch.export -> Relax
     compiler, onnx, bundle,   deployable modules, the ONNX op, bundles, the server (which
     serve                     imports the runtime alone)
+    demo, train, evaluate,    the programs behind the commands: the demo and its module cache,
+    bench                     training, evaluation, the benchmark cases
     cli, tools                the commands and the programs; the CUDA emulator"""
 import ast
 import os
@@ -24,6 +26,7 @@ LAYERS = [("hla_tvm.version", "hla_tvm.progress", "hla_tvm.runtime"), ("hla_tvm.
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),
           ("hla_tvm.nn", "hla_tvm.models", "hla_tvm.frontend"),
           ("hla_tvm.compiler", "hla_tvm.onnx", "hla_tvm.bundle", "hla_tvm.serve"),
+          ("hla_tvm.demo", "hla_tvm.train", "hla_tvm.evaluate", "hla_tvm.bench"),
           ("hla_tvm.cli", "hla_tvm.tools", "hla_tvm.__main__", "hla_tvm")]
 # imports that are allowed across the order: none
 
@@ -155,3 +158,22 @@ def test_each_rules_module_holds_one_rule_class():
               if m.startswith("hla_tvm.schedule.steps") and
               t.startswith("hla_tvm.schedule.rules")]
     assert not upward, upward
+
+
+def test_the_command_line_is_imported_by_no_library_module_or_benchmark():
+    """`cli/` holds each command's arguments and a call into the library: nothing in the
+    package outside it (but `__main__`) nor in `benchmarks/` imports it."""
+    inward = [(m, t) for m, ts in _graph().items() for t in ts
+              if t.startswith("hla_tvm.cli") and not m.startswith("hla_tvm.cli")
+              and m != "hla_tvm.__main__"]
+    assert not inward, inward
+    bench_root = os.path.join(os.path.dirname(ROOT), "benchmarks")
+    for folder, _, files in os.walk(bench_root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                        [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    assert not any(m == "hla_tvm.cli" or m.startswith("hla_tvm.cli.")
+                                   for m in mods), (path, node.lineno)

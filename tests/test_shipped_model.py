@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from hla_tvm.cli import demo, main
+from hla_tvm import demo
+from hla_tvm.cli import main
 from hla_tvm.models import HLALM
 from hla_tvm.runtime import load
 from hla_tvm.runtime.generate import Eager, encode_text, generate
@@ -29,7 +30,7 @@ def shipped():
 
 
 def test_shipped_model_is_small_byte_level_and_better_than_uniform():
-    from hla_tvm.cli import train
+    from hla_tvm import train
 
     size = os.path.getsize(demo.SHIPPED)
     assert size <= 8 * 2 ** 20

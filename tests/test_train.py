@@ -8,7 +8,8 @@ import zlib
 import pytest
 import torch
 
-from hla_tvm.cli import main, train
+from hla_tvm import train
+from hla_tvm.cli import main
 from hla_tvm.models import HLALM
 
 
@@ -115,8 +116,6 @@ def test_byte_vocab_config_is_checked():
 
 
 def test_default_decay_spreads_over_the_heads(tmp_path):
-    from hla_tvm.cli import train
-
     assert train.spread_decay(2) == train.SHIPPED_CONFIG["decay"] == [0.8, 0.98]
     assert train.spread_decay(1) == [0.9368]
     four = train.spread_decay(4)

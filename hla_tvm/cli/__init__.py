@@ -1,6 +1,7 @@
 """The `hla-tvm` command line: one module per command in this package, each with its
-arguments (`add_arguments`) and its run function (`main(args)`), the programs `demo`, `bench`
-and `train` in theirs. Only the command given is imported (`hla-tvm run` imports neither torch
+arguments (`add_arguments`) and its run function (`main(args)`), a call into the library (the
+programs of `demo`, `bench`, `train` and `eval` are `hla_tvm.demo`, `hla_tvm.bench`,
+`hla_tvm.train` and `hla_tvm.evaluate`). Only the command given is imported (`hla-tvm run` imports neither torch
 nor TVM's compiler).
 
 Expected errors (a missing or bad file, a bad target or argument) end the command with one line

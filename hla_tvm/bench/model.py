@@ -50,7 +50,7 @@ def load_model(checkpoint=None, preset="demo"):
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     if PRESETS[preset] is None:
-        from .demo import SHIPPED
+        from ..models import SHIPPED
 
         return HLALM.load(SHIPPED).eval(), "demo (shipped)"
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def _module_cases(model, name, schemes, target, batch, prompt):
     """{name: (decode step, prefill)} and {name: (module bytes, stored weight bytes)} of the
     compiled module per scheme (from the cache where an earlier run compiled it)."""
     from ..runtime import load
-    from .demo import compiled_module
+    from ..demo import compiled_module
 
     cases, sizes = {}, {}
     for sch in schemes:
