@@ -27,7 +27,7 @@ def build(k, n):
     from tvm import te, tirx
 
     from hla_tvm.compiler import resolve_model_target
-    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.compiler.passes.pack_weights import panel_width
     from hla_tvm.quant.kernels import matmul
     from hla_tvm.quant.panels import to_panels
     from hla_tvm.quant.scheme import dequantize, quantize, scheme

@@ -14,7 +14,7 @@ import tvm
 from tvm import te
 from tvm.s_tir import dlight as dl
 
-from hla_tvm.frontend.pack_weights import panel_width
+from hla_tvm.compiler.passes.pack_weights import panel_width
 from hla_tvm.quant.panels import at, to_panels
 from hla_tvm.runtime import pool
 from hla_tvm.schedule.rules.cpu import MatmulTiles

@@ -335,7 +335,7 @@ def test_rms_norms_become_one_operator_each():
     import re
 
     from hla_tvm import compiler
-    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+    from hla_tvm.compiler.passes.fused_rms_norm import fused_rms_norm
 
     torch.manual_seed(0)
     model = HLALM(VOCAB, 32, 3, 4, chunk_size=16).eval()
@@ -353,7 +353,7 @@ def test_only_the_rms_norm_form_is_rewritten(axis, power, weight):
     stays as it is."""
     from tvm import relax
 
-    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+    from hla_tvm.compiler.passes.fused_rms_norm import fused_rms_norm
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType([2, 4], "float32"))
@@ -378,7 +378,7 @@ def test_rms_norm_rewrite_leaves_what_it_cannot_take(shape, dtype, axis):
     import tvm
     from tvm import relax
 
-    from hla_tvm.frontend.fused_rms_norm import fused_rms_norm
+    from hla_tvm.compiler.passes.fused_rms_norm import fused_rms_norm
 
     n = tvm.tirx.Var("n", "int64")
     dims = [n if d == "n" else d for d in shape]
@@ -403,7 +403,7 @@ def test_decode_scales_run_in_their_projections():
     the scale moves past the reshapes to the product. Prefill's transposes move T and stay.
     Numerics: the compiled models above against PyTorch."""
     from hla_tvm import compiler
-    from hla_tvm.frontend.scale_epilogue import scale_epilogue
+    from hla_tvm.compiler.passes.scale_epilogue import scale_epilogue
 
     torch.manual_seed(0)
     model = HLALM(VOCAB, 32, 3, 4, chunk_size=16).eval()
@@ -442,7 +442,7 @@ def test_scale_epilogue_keeps_values(case):
     import tvm
     from tvm import relax
 
-    from hla_tvm.frontend.scale_epilogue import scale_epilogue
+    from hla_tvm.compiler.passes.scale_epilogue import scale_epilogue
 
     t = tvm.tirx.Var("t", "int64") if case == "symbolic" else (3 if case == "moves_t" else 1)
     c = relax.const(np.full(3, 4.0, "float32") if case == "vector" else np.float32(4.0))
@@ -481,7 +481,7 @@ def test_products_of_one_input_become_one_product():
     import tvm
     from tvm import relax
 
-    from hla_tvm.frontend.parallel_products import parallel_products
+    from hla_tvm.compiler.passes.parallel_products import parallel_products
 
     rng = np.random.default_rng(0)
     t = tvm.tirx.Var("t", "int64")

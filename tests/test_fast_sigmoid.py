@@ -1,4 +1,4 @@
-"""A float32 sigmoid legalized through `fast_exp` (`frontend.fast_sigmoid`, as `compiler.legalize`
+"""A float32 sigmoid legalized through `fast_exp` (`compiler.passes.fast_sigmoid`, as `compiler.legalize`
 lowers it on CPUs): against float64, over the whole float32 range, NaN kept; other dtypes and
 GPU targets as TVM has them."""
 import numpy as np
@@ -8,7 +8,7 @@ tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
 from hla_tvm.compiler import legalize  # noqa: E402
-from hla_tvm.frontend.fast_sigmoid import NAME  # noqa: E402
+from hla_tvm.compiler.passes.fast_sigmoid import NAME  # noqa: E402
 from hla_tvm.target import resolve  # noqa: E402
 
 

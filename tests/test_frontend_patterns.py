@@ -247,7 +247,7 @@ def test_index_copy_into_a_state_buffer_matches_pytorch(compiled_pattern):
 
 
 def test_a_one_row_slice_of_the_time_axis_matches_pytorch(compiled_pattern):
-    """`h + h[:, -1:]` keeps its shape through TVM's importer (`frontend.shape_bounds`) and
+    """`h + h[:, -1:]` keeps its shape through TVM's importer (`compiler.passes.shape_bounds`) and
     matches."""
     model, m = compiled_pattern("last_slice")
     assert "prefill_skips" not in m.meta
@@ -287,7 +287,7 @@ def _relax_vm(build, arrays):
     from tvm import relax
 
     from hla_tvm.compiler import cpu_pipeline
-    from hla_tvm.frontend.safe_take import safe_take
+    from hla_tvm.compiler.passes.safe_take import safe_take
     from hla_tvm.target import resolve
 
     tgt = resolve("llvm")
@@ -442,8 +442,8 @@ def test_small_whole_powers_become_products():
     import tvm
     from tvm import relax
 
-    from hla_tvm.frontend.int_power import int_power
-    from hla_tvm.frontend.torch_export import import_exported
+    from hla_tvm.compiler.passes.int_power import int_power
+    from hla_tvm.compiler.torch_export import import_exported
 
     class Powers(nn.Module):
         def forward(self, x):

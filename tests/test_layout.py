@@ -9,7 +9,7 @@ too). The layers, lowest first:
     schedule                  default rules (schedule.rules) and tuning (schedule.tuning)
     build                     compiling and caching kernel modules
     backend, decode, api      running the kernels from PyTorch: hla(), decode_()
-    nn, models, frontend      PyTorch layers and models; torch.export -> Relax
+    nn, models                PyTorch layers and models
     compiler, onnx, bundle,   deployable modules, the ONNX op, bundles, the server (which
     serve                     imports the runtime alone)
     demo, train, evaluate,    the programs behind the commands: the demo and its module cache,
@@ -24,7 +24,7 @@ LAYERS = [("hla_tvm.version", "hla_tvm.progress", "hla_tvm.runtime"), ("hla_tvm.
           ("hla_tvm.target", "hla_tvm.validate", "hla_tvm.options"), ("hla_tvm.schedule",),
           ("hla_tvm.build",),
           ("hla_tvm.backend", "hla_tvm.decode", "hla_tvm.api"),
-          ("hla_tvm.nn", "hla_tvm.models", "hla_tvm.frontend"),
+          ("hla_tvm.nn", "hla_tvm.models"),
           ("hla_tvm.compiler", "hla_tvm.onnx", "hla_tvm.bundle", "hla_tvm.serve"),
           ("hla_tvm.demo", "hla_tvm.train", "hla_tvm.evaluate", "hla_tvm.bench"),
           ("hla_tvm.cli", "hla_tvm.tools", "hla_tvm.__main__", "hla_tvm")]

@@ -1,4 +1,4 @@
-"""Weights stored in panels on CPUs (`quant.panels`, `frontend.pack_weights`): each value at its
+"""Weights stored in panels on CPUs (`quant.panels`, `compiler.passes.pack_weights`): each value at its
 panel, row and column; a compiled model's products reading float32 panels, a tied table stored
 once, an untied table kept as rows; the module against float64 PyTorch; an int8 / int4 model's
 decode products grouped (`group_matvec`), its prefill products plain."""
@@ -61,7 +61,7 @@ def _constants(mod):
 
 def stored_weights(model):
     """The [N, K] shapes of an HLALM's projection weights as a compiled module stores them: the
-    weights of the products of one input concatenated along N (`frontend.parallel_products`),
+    weights of the products of one input concatenated along N (`compiler.passes.parallel_products`),
     an untied head's own."""
     out = []
     for block in model.blocks:
@@ -77,7 +77,7 @@ def stored_weights(model):
 @pytest.mark.parametrize("tied", [True, False])
 def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
     from hla_tvm.compiler import prepare, to_relax
-    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.compiler.passes.pack_weights import panel_width
     from hla_tvm.models import HLALM
     from hla_tvm.target import resolve
 
@@ -89,7 +89,7 @@ def test_products_read_float32_panels_and_a_tied_table_is_stored_once(tied):
     assert p in (64, 128)   # the one-row tile's width for N = 256: 128 on AVX-512, 64 below
     panels = [s for s, d in consts if len(s) == 3 and d == "float32"]
     # every product's weight W [K, N] (nn.Linear's [N, K], and the head) as [N / P, K, P]; the
-    # products of one input as one weight (`frontend.parallel_products`): q, k, v and gate, up
+    # products of one input as one weight (`compiler.passes.parallel_products`): q, k, v and gate, up
     weights = stored_weights(model)
     if tied:
         weights.append(model.embed.weight.shape)   # the head reads the table: N = vocab

@@ -161,7 +161,7 @@ def test_compiled_model_equals_pytorch_with_dequantized_weights(name, group, tie
     quant = mod.meta["quantize"]
     assert (quant["scheme"], quant["group_size"]) == (sch.name, sch.group_size)
     # a layer's projections as stored: q, k, v as one weight, gate and up as one, out, down
-    # (`frontend.parallel_products`); then the table and an untied head
+    # (`compiler.passes.parallel_products`); then the table and an untied head
     layers = 2 * 4 + 1 + (0 if tied else 1)
     assert quant["packed"] == layers and quant["kept"] == []
     ratio = {"bf16": 2, "int8": 3.5, "int4": 5}[name]

@@ -94,7 +94,7 @@ def test_matmul_tiles_dequantize_a_column_tile_once_for_every_row(name, group, b
     """A prefill's product with packed weights in panels (symbolic rows, a static or symbolic
     batch): the weight's column tile is dequantized once under the parallel loop, then read by
     every row tile."""
-    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.compiler.passes.pack_weights import panel_width
     from hla_tvm.quant.kernels import DEQUANTIZE, matmul
     from hla_tvm.quant.panels import stored
     from hla_tvm.quant.scheme import activations, dequantize, quantize, scheme
@@ -153,7 +153,7 @@ def test_parallel_fallback_elementwise_chain(n):
 
 
 def test_a_prefills_element_wise_work_runs_in_parallel_and_a_decode_steps_serially():
-    """The functions only a prefill calls are marked (`frontend.prefill_rows`); ParallelFallback
+    """The functions only a prefill calls are marked (`compiler.passes.prefill_rows`); ParallelFallback
     runs a marked element-wise function of symbolic rows in parallel, an unmarked one (a decode
     step's rows: one a stream) serially; the marked one still computes the same."""
     import torch
@@ -208,7 +208,7 @@ def test_group_matvec_with_its_epilogue(name, group, batch):
     """A decode step's product with packed weights in panels, the scales out of each group's
     sum (`quant.kernels.group_matvec`, `GroupMatvec`), plus a residual add, for a symbolic
     batch: against float64 numpy with the dequantized weights."""
-    from hla_tvm.frontend.pack_weights import panel_width
+    from hla_tvm.compiler.passes.pack_weights import panel_width
     from hla_tvm.quant.kernels import matmul
     from hla_tvm.quant.panels import to_panels
     from hla_tvm.quant.scheme import dequantize, quantize, scheme

@@ -90,7 +90,7 @@ def _trim_unused_outputs(proto):
 def _quiet():
     """torch.onnx's notes that do not concern the user (torchvision absent, Dim names merged,
     a pytree deprecation inside torch)."""
-    from ..frontend.torch_export import quiet_pytree_deprecation
+    from ..compiler.torch_export import quiet_pytree_deprecation
 
     logger = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = logger.level

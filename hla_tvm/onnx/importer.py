@@ -1,6 +1,6 @@
 """ONNX models with `hla_tvm::HLA` nodes to TVM: TVM's Relax ONNX frontend for every standard
 op, and each HLA node (domain hla_tvm, checked) lowered onto our TensorIR kernels
-(`frontend.relax_hla.emit_operator`) instead of its function body.
+(`compiler.relax_hla.emit_operator`) instead of its function body.
 
 TVM's frontend dispatches on op_type alone and has no custom-op hook. `_Importer` extends its
 graph importer: HLA nodes of the hla_tvm domain are renamed to a private op_type in a copy of the
@@ -114,7 +114,7 @@ def _convert_hla(bb, inputs, attrs):
     import tvm
     from tvm import relax
 
-    from ..frontend.relax_hla import emit_operator, zero_state
+    from ..compiler.relax_hla import emit_operator, zero_state
     from ..ops import get
 
     node = attrs["tvm_custom"]["name"]
@@ -312,7 +312,7 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     validate.not_an_input("out", out, path)
     tgt = resolve_model_target(target)   # a bad target fails before any model work
     records_path = records_folder(schedules, tgt)
-    from ..frontend.relax_hla import chunks_for
+    from ..compiler.relax_hla import chunks_for
 
     stages = Stages("compile")
     stages("reading the ONNX graph (to Relax)")

@@ -3,7 +3,7 @@
 A chain is the sequence of kernel calls of one prefill or one decode step: which kernel, which
 tensors it reads, which state entries it advances in place and which new tensors it writes.
 `hla_tvm.backend` runs a chain on torch tensors (eager calls of the compiled kernels) and
-`hla_tvm.frontend.relax_hla` emits it as Relax calls inside a compiled model, so a change of
+`hla_tvm.compiler.relax_hla` emits it as Relax calls inside a compiled model, so a change of
 kernels is made in one place: each operator's `chain.py` lists its prefill calls (`FAMILIES`).
 
 Kernel families: hla2 (second order, undecayed prefill: one-product carry), hla2_decay (second

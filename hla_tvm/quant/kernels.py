@@ -10,7 +10,7 @@ W[k, n] is `dequantized(k, n)`: a stage of its own (DEQUANTIZE) that the schedul
 into a decode step's product, so each stored value is read and decoded in its inner loop; a
 prefill's product (several rows) computes it once per column tile, which every row tile then
 reads (`schedule.rules.cpu.matmul_tiles`). `panel`: the stored values'
-panel width (`frontend.pack_weights.panel_width`), None for the [R, N] layout."""
+panel width (`compiler.passes.pack_weights.panel_width`), None for the [R, N] layout."""
 from __future__ import annotations
 
 
@@ -150,7 +150,7 @@ def round_bf16(value):
 def take(q, scale, ids, *, sch, k, n, group, panel=None):
     """Rows of the table W^T [N, K] (an embedding table stored as the head's [K, N] weight) at
     `ids`: a negative id counts from the end (id + N, as PyTorch indexes a tensor), then ids
-    are clamped to 0..N-1 as `frontend.safe_take` clamps a plain lookup."""
+    are clamped to 0..N-1 as `compiler.passes.safe_take` clamps a plain lookup."""
     from tvm import te, tirx
 
     def row(*i):

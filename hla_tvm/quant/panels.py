@@ -13,7 +13,7 @@ layout of AMX's B tile and of vdpbf16ps's operand (`quant.amx`); int8 and int4 v
 the target multiplies them on VPDPBUSD (`quant.vnni`), in quads first (`quads`: 32-bit words of
 four unsigned bytes, four rows of a column). Where no tile width divides N, on GPUs, and for
 weights a scheme keeps float32 (K not splitting into its groups), weights stay [R, N] (P None);
-`frontend.pack_weights.panel_width` picks P."""
+`compiler.passes.pack_weights.panel_width` picks P."""
 from __future__ import annotations
 
 import numpy as np

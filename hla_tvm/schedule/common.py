@@ -6,7 +6,7 @@ import threading
 from tvm import tirx
 
 DATA_PAR, COMM_REDUCE = 0, 2   # IterVar kinds: data parallel, commutative reduction
-# attribute of a function only a prefill runs (`frontend.prefill_rows`): its symbolic extents
+# attribute of a function only a prefill runs (`compiler.passes.prefill_rows`): its symbolic extents
 # hold a prompt's many tokens
 MANY_ROWS = "hla_tvm.many_rows"
 

@@ -1,7 +1,7 @@
 """Scheduling a compiled model's tunable functions: each from its tuned record where the records
 hold one, else by the default CPU rules.
 
-Tunable are the HLA kernels (`frontend.relax_hla.emit_hla` gives them their argument shapes at
+Tunable are the HLA kernels (`compiler.relax_hla.emit_hla` gives them their argument shapes at
 the tuning shape, `records.SHAPES_ATTR`) and, once the model is legalized, its projections with
 their epilogues (`cpu.matmul_tiles`; tuned at batch 1 and TUNE_SHAPE's length). The other
 functions (norms, element-wise work) keep the Relax pipeline's default rules."""

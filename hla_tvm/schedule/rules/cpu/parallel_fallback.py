@@ -4,7 +4,7 @@ dlight's CPU GEMV/Reduction rules do not take:
   - element-wise blocks: innermost row vectorized; the leading loops run in parallel only when
     the static part of the work is at least PARALLEL_MIN elements (a parallel launch costs
     microseconds, more than a decode step's 256-element row takes serially), or in a function
-    only a prefill runs (`schedule.common.MANY_ROWS`, `frontend.prefill_rows`: its symbolic extent is the prompt);
+    only a prefill runs (`schedule.common.MANY_ROWS`, `compiler.passes.prefill_rows`: its symbolic extent is the prompt);
   - reductions whose last data-parallel loop has a static extent (matmul C[.., j] += A[.., k]
     B[k, j]): that loop is split into a parallel outer part and a vectorized row of ROW elements,
     the reduction runs between them, so each thread streams rows of B into a row of C.
@@ -63,7 +63,7 @@ class ParallelFallback(dl.ScheduleRule):
     @staticmethod
     def _elementwise(sch, spatial):
         # a symbolic extent counts as one row, or, in a function only a prefill runs
-        # (`frontend.prefill_rows`), as the prompt's many
+        # (`compiler.passes.prefill_rows`), as the prompt's many
         many = MANY_ROWS in (sch.mod["main"].attrs or {})
         work = 1
         for lp in spatial:

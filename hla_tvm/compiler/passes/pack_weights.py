@@ -29,7 +29,7 @@ def panel_width(n, target):
     tile width dividing N)."""
     if target.kind.name != "llvm":
         return None
-    from ..schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
+    from ...schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
 
     return tile_shape(1, n, vector_lanes(target))[1]
 
@@ -100,10 +100,10 @@ def pack_weights(mod, sch, target):
     import tvm
     from tvm import relax
 
-    from ..quant import amx, dpbf16, kernels, matvec, vnni
-    from ..schedule.rules.cpu.matmul_tiles import vector_lanes
-    from ..quant.panels import stored
-    from ..quant.scheme import nbytes, quantize
+    from ...quant import amx, dpbf16, kernels, matvec, vnni
+    from ...schedule.rules.cpu.matmul_tiles import vector_lanes
+    from ...quant.panels import stored
+    from ...quant.scheme import nbytes, quantize
 
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
     # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`), else on

@@ -7,8 +7,8 @@ the prompt, 512 x 3,072 elements a layer for a 512-token prompt of the 120 M mod
 `schedule.rules.cpu.ParallelFallback` runs serially where it cannot see that size."""
 from __future__ import annotations
 
-from ..schedule.common import MANY_ROWS
-from ..schedule.tuning.records import SHAPES_ATTR
+from ...schedule.common import MANY_ROWS
+from ...schedule.tuning.records import SHAPES_ATTR
 
 PREFILL_ENTRIES = ("prefill",)
 

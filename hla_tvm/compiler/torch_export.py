@@ -48,8 +48,8 @@ def convert_select(node, importer):
 
 def import_exported(ep):
     """Relax IRModule ("main") of an ExportedProgram whose HLA nodes call our kernels."""
-    from .flat_matmul import unflatten_matmuls
-    from .shape_bounds import export_ranges, tighten_shapes
+    from .passes.flat_matmul import unflatten_matmuls
+    from .passes.shape_bounds import export_ranges, tighten_shapes
 
     ep = without_runtime_asserts(ep)   # (decomposed there, as TVM's importer would)
     with quiet_pytree_deprecation():

@@ -1,1 +1,0 @@
-"""Importers that map HLA operators in exported models onto the TensorIR kernels."""
