@@ -217,9 +217,10 @@ def _readme(info):
     from .runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
 
     text = info["vocab"] == "bytes"
-    prompt = '--text "def fib(" --steps 200' if text else "--prompt 5,9,2,33 --steps 12"
+    prompt = '--text "def fib(" --tokens 200' if text else "--prompt-ids 5,9,2,33 --tokens 12"
     if info["config"] is None:   # (an old module for another architecture: its metadata unread)
-        prompt = '--text "def fib(" --steps 200   # or, for a model of token ids: --prompt 5,9,2'
+        prompt = ('--text "def fib(" --tokens 200   # or, for a model of token ids: '
+                  '--prompt-ids 5,9,2')
         text = None
     gpu = info.get("device") == "cuda"
     libs = ("The app finds `libtvm_runtime.so` and `libtvm_ffi.so` in `runtime/` (its run path); "
@@ -227,7 +228,7 @@ def _readme(info):
             + (" (with `libtvm_runtime_cuda.so` and `libcudart.so.13`)" if gpu else "")
             + ". Both programs take `--temperature T --top-k K --seed S` for seeded sampling "
             f"(defaults as `hla-tvm run`: --text samples at temperature {TEXT_TEMPERATURE} from "
-            f"the {TEXT_TOP_K} most likely tokens, --prompt is greedy; --temperature 0 makes "
+            f"the {TEXT_TOP_K} most likely tokens, --prompt-ids is greedy; --temperature 0 makes "
             "--text greedy too, and then the two programs print the same text, while their "
             "samplers draw differently) and print the prompt and the generated text (--text) "
             "or the generated token ids on one line.")

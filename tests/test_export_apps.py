@@ -86,21 +86,20 @@ def int4_module(tmp_path_factory):
 @needs_cmake
 def test_the_apps_run_a_quantized_module_unchanged(app, int4_module):
     """A module with int4 weights: the C++ app and the Python script give the runtime's greedy
-    tokens (the packed weights and the dequantizing kernels are the module's own)."""
+    tokens (the packed weights and the dequantizing kernels are the module's own), with either
+    spelling of their flags."""
     import sys
 
     prompt = [5, 9, 2, 33, 7, 1, 0, 12]
     want = greedy_ids(int4_module, prompt, 20)
-    run = subprocess.run([app, int4_module, "--prompt", ",".join(map(str, prompt)), "--steps",
-                          "20"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert [int(t) for t in run.stdout.split()] == want
     script = os.path.join(ROOT, "export", "python", "generate.py")
-    run = subprocess.run([sys.executable, script, int4_module, "--prompt",
-                          ",".join(map(str, prompt)), "--steps", "20"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert [int(t) for t in run.stdout.split()] == want
+    # the first spellings, and those `hla-tvm run` shares (--prompt-ids, --tokens)
+    for ids, count in (("--prompt", "--steps"), ("--prompt-ids", "--tokens")):
+        for cmd, timeout in (([app], 120), ([sys.executable, script], 300)):
+            run = subprocess.run([*cmd, int4_module, ids, ",".join(map(str, prompt)), count,
+                                  "20"], capture_output=True, text=True, timeout=timeout)
+            assert run.returncode == 0, run.stderr
+            assert [int(t) for t in run.stdout.split()] == want, (cmd, ids, count)
 
 
 @needs_cmake

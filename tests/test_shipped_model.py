@@ -110,6 +110,8 @@ def test_run_generates_text_reproducibly(shipped, capsys):
     first = capsys.readouterr().out
     assert main(args) == 0
     assert capsys.readouterr().out == first and first.startswith(PROMPT)
+    assert main(["run", path, "--text", PROMPT] + args[4:]) == 0   # (the apps' spelling)
+    assert capsys.readouterr().out == first
     assert main(args[:-1] + ["4"]) == 0
     assert capsys.readouterr().out != first   # (another seed, another continuation)
     # text samples as the demo does unless told otherwise (greedy repeats one byte)

@@ -2,8 +2,9 @@
 `apache-tvm-ffi` package and TVM's runtime library `libtvm_runtime.so` (no TVM Python package,
 no TVM compiler, no torch, no hla_tvm):
 
-    python generate.py model.so --prompt 5,9,2,33 --steps 12 [--temperature T --top-k K --seed S]
-    python generate.py model.so --text "def fib(" --steps 200      # models with text
+    python generate.py model.so --prompt-ids 5,9,2,33 --tokens 12 [--temperature T --top-k K
+                                                                   --seed S]
+    python generate.py model.so --text "def fib(" --tokens 200      # models with text
 
 prints the generated token ids on one line, separated by spaces (as export/cpp's app does), or
 for --text the prompt and the generated text. libtvm_runtime.so is found at --runtime-lib, else
@@ -427,13 +428,17 @@ def main(argv=None):
                     "needing only numpy, apache-tvm-ffi and TVM's runtime library (a module "
                     "compiled for an NVIDIA GPU runs on the first GPU).")
     p.add_argument("module", help="the compiled module (model.so)")
-    p.add_argument("--prompt", default=None, help="prompt token ids, e.g. 5,9,2")
+    p.add_argument("--prompt-ids", "--prompt", dest="prompt", default=None,
+                   help="prompt token ids, e.g. 5,9,2 (--prompt-ids as in `hla-tvm run`; "
+                        "--prompt, this script's first spelling, takes ids too)")
     p.add_argument("--text", default=None,
-                   help="prompt text (byte-level models, and models compiled with --tokenizer)")
-    p.add_argument("--steps", type=int, default=16, help="tokens to generate (default: 16)")
+                   help="prompt text (byte-level models, and models compiled with --tokenizer; "
+                        "`hla-tvm run --text` too)")
+    p.add_argument("--tokens", "--steps", dest="steps", type=int, default=16,
+                   help="tokens to generate (default: 16)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature, 0 greedy (default: 0.9 for --text, 0 for "
-                        "--prompt, as `hla-tvm run`)")
+                        "--prompt-ids, as `hla-tvm run`)")
     p.add_argument("--top-k", type=int, default=None,
                    help="sample from the k most likely tokens, 0 all (default: 40 when "
                         "sampling --text, else 0)")
@@ -443,7 +448,7 @@ def main(argv=None):
                         "runtime/, or the installed tvm package's)")
     args = p.parse_args(argv)
     if (args.prompt is None) == (args.text is None):
-        p.error("give --prompt ids or --text TEXT")
+        p.error("give --prompt-ids IDS or --text TEXT")
     text = args.text is not None   # (text samples as `hla-tvm run` does unless told otherwise)
     if args.temperature is None:
         args.temperature = TEXT_TEMPERATURE if text else 0.0
@@ -456,10 +461,10 @@ def main(argv=None):
         try:
             prompt = [int(x) for x in args.prompt.split(",")]
         except ValueError:
-            p.error("--prompt must be ids such as 5,9,2")
+            p.error("--prompt-ids must be ids such as 5,9,2")
         if min(prompt) < 0:
             p.error(f"prompt ids must be >= 0, got {min(prompt)}")
-    for bad, what in ((args.steps < 1, f"--steps must be positive, got {args.steps}"),
+    for bad, what in ((args.steps < 1, f"--tokens must be positive, got {args.steps}"),
                       (not args.temperature >= 0,
                        f"--temperature must be >= 0, got {args.temperature}"),
                       (args.top_k < 0, f"--top-k must be >= 0, got {args.top_k}")):

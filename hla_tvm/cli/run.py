@@ -19,9 +19,10 @@ MAX_PROMPT_BYTES = 64 << 20   # --prompt-file's default bound
 def add_arguments(p):
     """The command's options."""
     p.add_argument("module", help="a library written by `hla-tvm compile`")
-    p.add_argument("--prompt", default=None, metavar="TEXT",
+    p.add_argument("--prompt", "--text", dest="prompt", default=None, metavar="TEXT",
                    help="prompt text (models with text: byte-level, or compiled with "
-                        "--tokenizer)")
+                        "--tokenizer); --text is the spelling the bundle's generate.py and "
+                        "the C++ app share")
     p.add_argument("--prompt-file", default=None, metavar="FILE",
                    help="prompt text read from FILE (UTF-8; - for standard input), for prompts "
                         "too long for the command line; echoed by its last 2000 characters "
@@ -30,14 +31,17 @@ def add_arguments(p):
                    help="the most bytes --prompt-file reads; a longer file (or a device such as "
                         "/dev/zero) is refused (default: 64 MiB, about 64 M tokens of a "
                         "byte-level model)")
-    p.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--prompt-ids", default=None,
+                   help="prompt token ids, e.g. 1,2,3 (the same flag in generate.py and the C++ "
+                        "app)")
     p.add_argument("--info", action="store_true",
                    help="print the module's metadata (model, device, state layout, which "
                         "kernels use tuned records) and exit; read from the library without "
                         "loading it, so modules compiled for a GPU or another CPU are described "
                         "here too")
     p.add_argument("--tokens", "--steps", dest="tokens", type=positive, default=16,
-                   help="tokens to generate")
+                   help="tokens to generate (both spellings here, in generate.py and in the "
+                        "C++ app)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0: greedy; default: 0.9 for --prompt TEXT, as "
                         "the demo samples, 0 for --prompt-ids)")
