@@ -238,9 +238,9 @@ def test_version_and_module_entry_point(capsys):
 def test_unknown_options_are_named_by_the_command_and_a_file_is_no_cache(tmp_path, capsys,
                                                                          monkeypatch):
     with pytest.raises(SystemExit) as e:
-        main(["run", "x.so", "--text", "hi"])
+        main(["run", "x.so", "--words", "hi"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "hla-tvm run: error: unrecognized arguments: --text hi" in err
+    assert e.value.code == 2 and "hla-tvm run: error: unrecognized arguments: --words hi" in err
     assert "usage: hla-tvm run" in err
     (tmp_path / "f").write_text("x")
     monkeypatch.setenv("HLA_TVM_CACHE_DIR", str(tmp_path / "f"))
