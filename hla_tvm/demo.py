@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import time
 
 from .models import SHIPPED
 from .progress import progress_line

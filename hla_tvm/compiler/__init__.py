@@ -16,6 +16,7 @@ from ..progress import Stages
 from ..runtime import META_FUNC, MODULE_FORMAT
 from ..target import cross_compiler
 from .export import (  # noqa: F401 - the package's names
+    PREFILL_SKIPS,
     Decode,
     Fresh,
     Prefill,
