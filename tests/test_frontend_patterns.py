@@ -254,6 +254,38 @@ def test_a_one_row_slice_of_the_time_axis_matches_pytorch(compiled_pattern):
     _check_prefill_and_decode(model, m)
 
 
+@pytest.mark.parametrize("name", ["shift", "last_slice"])
+def test_time_axis_slices_through_onnx(name, tmp_path):
+    """The token shift (`h[:, :-1]`) and `h + h[:, -1:]` through the ONNX route: exported with
+    `hla_tvm.onnx.export` (from a state: the shift keeps its last row), they run in ONNX
+    Runtime and compile with `hla_tvm.onnx.compile`
+    (TVM's ONNX importer left the slice's length min(max(T - 1, 0), T), and legalizing failed:
+    "emit_te now only supports Tensor that has ShapeExpr shape"), matching PyTorch in prefill
+    of 2 to 13 tokens and the decode steps after."""
+    from hla_tvm import onnx as hla_onnx
+    from hla_tvm.compiler import flatten_state
+
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    path = tmp_path / f"{name}.onnx"
+    hla_onnx.export(model, path, from_state=True)
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, _ = model(tokens, None)
+    feeds = {"tokens": tokens.numpy()}
+    for n, x in zip((i.name for i in hla_onnx.session(path).get_inputs()[1:]),
+                    flatten_state(model.init_state(2))):
+        feeds[n] = x.numpy()
+    got = hla_onnx.session(path).run(None, feeds)[0]
+    assert rel_err(torch.from_numpy(got), want) <= 1e-5
+    m = load(hla_onnx.compile(path, out=tmp_path / f"{name}.so"))
+    _check_prefill_and_decode(model, m, lengths=(2, 3, 5, 13))
+    if name == "shift":   # a fresh-start graph cannot take the state of the model's own
+        hla_onnx.export(model, tmp_path / "fresh.onnx")
+        with pytest.raises(ValueError, match="export it with from_state=True"):
+            hla_onnx.compile(tmp_path / "fresh.onnx", out=tmp_path / "fresh.so")
+
+
 def test_code_branching_on_the_prompt_length_is_refused_in_one_line(tmp_path):
     """A model whose code takes another branch beyond 300 tokens cannot have one symbolic
     prefill: refused in one line naming the condition, no module written."""

@@ -173,12 +173,21 @@ def _convert_hla(bb, inputs, attrs):
 
 def to_relax(model, *, shape_dict=None):
     """The Relax IRModule ("main") of an ONNX model (path or ModelProto) whose hla_tvm::HLA nodes
-    call our kernels. Every other node goes through TVM's ONNX frontend."""
+    call our kernels. Every other node goes through TVM's ONNX frontend. Shapes are then
+    simplified knowing that every symbolic size of the graph's inputs (batch, the prompt's
+    length) is at least 1 (`compiler.passes.shape_bounds`): a slice of the time axis, `h[:,
+    :-1]`, comes out of the importer with a length min(max(T - 1, 0), T) that TVM cannot
+    legalize a reshape of otherwise."""
+    from ..compiler.passes.shape_bounds import tighten_shapes
+
     model = _mark_hla_nodes(load_model(model))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     with warnings.catch_warnings():   # it renames every dotted name (layer0.S -> layer0_S)
         warnings.filterwarnings("ignore", message="Renaming name")
-        return _importer_class()(shape_dict, "float32").from_onnx(model.graph, opset)
+        mod = _importer_class()(shape_dict, "float32").from_onnx(model.graph, opset)
+    sizes = {d.dim_param for vi in _graph_inputs(model) for d in vi.type.tensor_type.shape.dim
+             if d.dim_param}
+    return tighten_shapes(mod, {name: (1, None) for name in sizes})
 
 
 def _graph_inputs(model):
@@ -412,9 +421,17 @@ def _lm_module(path, model):
 
     digest = content_digest(model)
     model, sch = dequantized(model)   # packed again by the compile, under the same scheme
-    if len(_graph_inputs(model)) == 1:   # a fresh-start prefill graph: tokens alone
+    fresh = len(_graph_inputs(model)) == 1   # a fresh-start prefill graph: tokens alone
+    if fresh:
         model = with_state_inputs(model)
-    sig = lm_signature(model)
+    try:
+        sig = lm_signature(model)
+    except ValueError as err:
+        if fresh and "one new state per state input" in str(err):
+            raise ValueError(f"{err}: a fresh-start graph gains state inputs for its HLA nodes "
+                             "only, and this model keeps state of its own; export it with "
+                             "from_state=True (`hla-tvm export-onnx --from-state`)") from None
+        raise
     if sig["entry"] == "prefill":
         mods = {"prefill": to_relax(model), "decode": to_relax(_decode_from_prefill(model))}
     else:
