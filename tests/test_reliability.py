@@ -157,7 +157,7 @@ WRITE_SITES = {
     ("libfile.py", 'with open(path, "r+b") as f:'),   # seal: of a file export just wrote
     ("device_code.py", 'with open(src, "w", encoding="utf-8") as f:'),   # a TemporaryDirectory
     ("cuda_emulator.py", 'with open(src, "w") as f:'),   # a TemporaryDirectory
-    ("bench.py", 'with open("/proc/self/clear_refs", "w") as f:'),
+    ("operator.py", 'with open("/proc/self/clear_refs", "w") as f:'),
 }
 
 

@@ -34,7 +34,7 @@ def split_host_device(func, target):
 
 def shared_bytes(func):
     """Bytes of shared memory the lowered `func` allocates (static and dynamic)."""
-    from ...common import walk
+    from .common import walk
 
     total = []
 
@@ -63,7 +63,7 @@ def check(func, shapes, target, name="kernel"):
     does not fit."""
     from tvm import s_tir
 
-    from ...shapes import specialize
+    from .shapes import specialize
 
     _, before, _ = split_host_device(specialize(func, shapes), target)
     lowered = before[0]
