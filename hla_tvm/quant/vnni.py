@@ -21,17 +21,21 @@ activations per block would be 4e-3 off). Per block and column:
 The stored integers are in quads (`panels.quads`): 32-bit words of four bytes, the layout of
 VPDPBUSD's unsigned operand (int8: one row each; int4: two nibbles each, rows 8r + j low and
 8r + 4 + j high). Loops (`matvec_func`, symbolic M): the rows' digits first (serial), then for
-each panel of P columns (parallel), each row: the blocks of K, each in parts of at most 4
-vectors of columns (D x 4 int32 sums and the P float32 sums in registers), each block asking
-the cache for the weights `matvec.PREFETCH` bytes ahead (not on AMD Zen: `matvec.
-prefetch_bytes`). A row holding a NaN or an infinity gives NaN.
+each panel of P columns (parallel), the rows in pairs (an odd last row alone): the blocks of
+K, each in parts of at most 4 vectors of columns (2 x D x 4 int32 sums and the P float32
+sums of each row in registers; a weight vector loaded and unpacked once for both rows), each
+block asking the cache for the weights `matvec.PREFETCH` bytes ahead (not on AMD Zen:
+`matvec.prefetch_bytes`). A row holding a NaN or an infinity gives NaN.
 
 Measured on the Xeon VM (2 cores, 2026-12-07, `TVM_NUM_THREADS=2`), 768 x 6144 (the 120 M
 preset's gate and up projection), 100 MB of weight copies read in turn as a decode step reads
 them, fastest of 7: int8 84-91 us with three digits (55 GB/s), 84 with two; int4 62.6 us with
 three, 44.4 with two (53 GB/s), 43.4 with one: int4's unpacking and products bound it with three
 digits (43 GB/s with its weights in cache), int8 reads at the cache's rate with three.
-Without the prefetch int8 took 96-104 us, int4 (two digits) 61 us (docs/cpu_schedules.md)."""
+Without the prefetch int8 took 96-104 us, int4 (two digits) 61 us (docs/cpu_schedules.md).
+Rows in pairs against one at a time (the same weights, both kernels in turn, fastest of 7):
+int8 at 2 / 3 / 8 rows 170 / 177 / 407 us against 196 / 219 / 507, one row alike (104 us);
+int4 alike at every count (its products, not the unpacking, bound it there)."""
 from __future__ import annotations
 
 BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
@@ -108,14 +112,6 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
     lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
     ahead = max(1, ahead // (4 * p * block_words))   # blocks
 
-    def combine(acc, v):
-        """c0 + c1 / R + c2 / R^2 + ... of the digits' int32 sums for vector v, in float32."""
-        total = T.Cast(fvec, acc[T.ramp(v * lw, 1, lw)])
-        for d in range(1, digits):
-            total = total + T.Cast(fvec, acc[T.ramp(d * span + v * lw, 1, lw)]) * \
-                T.broadcast(T.float32(1.0 / RADIX ** d), lw)
-        return total
-
     def operand(q, jb, b, s, col):
         """The weights of inputs 4s..4s+3 of block b for the lanes from column `col` of panel
         jb, as VPDPBUSD's unsigned bytes."""
@@ -124,6 +120,53 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
         word = q[jb, b * (steps // 2) + s // 2, T.ramp(col, 1, lw)]
         nib = T.if_then_else(s % 2 == 0, word, T.shift_right(word, T.broadcast(T.uint32(4), lw)))
         return T.reinterpret(bvec, T.bitwise_and(nib, T.broadcast(T.uint32(0x0F0F0F0F), lw)))
+
+    def combine(acc, rr, v):
+        """c0 + c1 / R + ... of row rr's int32 sums for vector v, in float32."""
+        total = T.Cast(fvec, acc[T.ramp(rr * digits * span + v * lw, 1, lw)])
+        for d in range(1, digits):
+            total = total + T.Cast(fvec, acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)]) * \
+                T.broadcast(T.float32(1.0 / RADIX ** d), lw)
+        return total
+
+    @T.macro
+    def rows(q, scale, out, dw, off, t, qf, jb, r0, R):
+        """out[r0 : r0 + R, panel jb] for R (1 or 2) rows: each weight vector loaded and
+        unpacked once for the R rows' products."""
+        sums = T.decl_buffer((R * p,), "float32")
+        acc = T.decl_buffer((R * digits * span,), "int32")
+        for c in T.vectorized(R * p):
+            sums[c] = T.float32(0)
+        for b in range(blocks):
+            if lines > 0:   # (a Python bool: no loop at all without the prefetch)
+                for line in T.unroll(lines):
+                    T.evaluate(prefetch(
+                        qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
+                        n // p * words * p - 1))
+            for h in T.unroll(parts):
+                for rr, d, v in T.grid(R, digits, part):
+                    acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)] = \
+                        T.broadcast(off[r0 + rr, d, b], lw)
+                for s in T.unroll(steps):
+                    for v in T.unroll(part):
+                        for rr in T.unroll(R):
+                            for d in T.unroll(digits):
+                                acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)] = \
+                                    T.call_llvm_pure_intrin(
+                                        ivec, intrin,
+                                        acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)],
+                                        operand(q, jb, b, s, h * span + v * lw),
+                                        T.reinterpret(bvec, T.broadcast(
+                                            dw[r0 + rr, d, b * steps + s], lw)))
+                for rr in T.unroll(R):
+                    for v in T.unroll(part):
+                        sums[T.ramp(rr * p + h * span + v * lw, 1, lw)] = \
+                            sums[T.ramp(rr * p + h * span + v * lw, 1, lw)] + \
+                            combine(acc, rr, v) * T.broadcast(t[r0 + rr, b], lw) * \
+                            scale[b * BLOCK // g, T.ramp(jb * p + h * span + v * lw, 1, lw)]
+        for rr in range(R):
+            for c in T.vectorized(p):
+                out[r0 + rr, jb * p + c] = sums[rr * p + c]
 
     @T.prim_func
     def func(var_x: T.handle, q: T.Buffer((n // p, words, p), "uint32"),
@@ -170,36 +213,9 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
             for d in range(digits):
                 off[r, d, b] = total[d] * (-o)
         for jb in T.parallel(n // p):
-            for r in range(m):
-                sums = T.decl_buffer((p,), "float32")
-                acc = T.decl_buffer((digits * span,), "int32")
-                for c in T.vectorized(p):
-                    sums[c] = T.float32(0)
-                for b in range(blocks):
-                    if lines > 0:   # (a Python bool: no loop at all without the prefetch)
-                        for line in T.unroll(lines):
-                            T.evaluate(prefetch(
-                                qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
-                                n // p * words * p - 1))
-                    for h in T.unroll(parts):
-                        for d, v in T.grid(digits, part):
-                            acc[T.ramp(d * span + v * lw, 1, lw)] = T.broadcast(off[r, d, b], lw)
-                        for s in T.unroll(steps):
-                            for d in T.unroll(digits):
-                                for v in T.unroll(part):
-                                    acc[T.ramp(d * span + v * lw, 1, lw)] = \
-                                        T.call_llvm_pure_intrin(
-                                            ivec, intrin, acc[T.ramp(d * span + v * lw, 1, lw)],
-                                            operand(q, jb, b, s, h * span + v * lw),
-                                            T.reinterpret(bvec, T.broadcast(
-                                                dw[r, d, b * steps + s], lw)))
-                        for v in T.unroll(part):
-                            sums[T.ramp(h * span + v * lw, 1, lw)] = \
-                                sums[T.ramp(h * span + v * lw, 1, lw)] + (
-                                    combine(acc, v)) * \
-                                T.broadcast(t[r, b], lw) * \
-                                scale[b * BLOCK // g, T.ramp(jb * p + h * span + v * lw, 1, lw)]
-                for c in T.vectorized(p):
-                    out[r, jb * p + c] = sums[c]
+            for rp in range(m // 2):
+                rows(q, scale, out, dw, off, t, qf, jb, rp * 2, 2)
+            if m % 2 == 1:
+                rows(q, scale, out, dw, off, t, qf, jb, m - 1, 1)
 
     return func.with_attr({"global_symbol": name, "tirx.is_scheduled": True})
