@@ -85,8 +85,11 @@ def test_serve_replicas_from_the_command(module_path, tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        # (the first replica answers /health while the second may still be loading the module:
+        # requests go on until both have answered, or for 120 s)
         servers = set()
-        for _ in range(30):
+        until = time.monotonic() + 120
+        while time.monotonic() < until:
             r = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": "model", "prompt": "def f():\n", "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
