@@ -86,12 +86,12 @@ def _part(vectors):
     return 4 if vectors % 4 == 0 else vectors
 
 
-def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=None):
+def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 4 (int4: / 8), P] uint32, scale [K / g, N],
     out [M, N] float32), M symbolic, computing out as the module docstring says (the rows'
     digits in a workspace of its own), asking the cache for the weights `ahead` bytes on
-    (`matvec.PREFETCH` where None, none where 0: `matvec.prefetch_bytes`), with `digits`
-    activation digits a block (None: the scheme's, DIGITS); scheduled already."""
+    (`matvec.PREFETCH` where None, none where 0: `matvec.prefetch_bytes`), with the scheme's
+    activation digits a block (DIGITS); scheduled already."""
     from tvm.script import tirx as T
 
     from .matvec import PREFETCH, prefetch
@@ -108,7 +108,7 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
     steps = BLOCK // 4   # VPDPBUSD steps of 4 inputs a block
     block_words = steps // 2 if int4 else steps   # rows of q a block
     ahead = PREFETCH if ahead is None else ahead
-    digits = DIGITS[sch.name] if digits is None else digits
+    digits = DIGITS[sch.name]
     lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
     ahead = max(1, ahead // (4 * p * block_words))   # blocks
 
@@ -121,11 +121,15 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
         nib = T.if_then_else(s % 2 == 0, word, T.shift_right(word, T.broadcast(T.uint32(4), lw)))
         return T.reinterpret(bvec, T.bitwise_and(nib, T.broadcast(T.uint32(0x0F0F0F0F), lw)))
 
+    def slot(rr, d, v):
+        """The int32 sums of row rr, digit d, vector v of a part: their lanes in `acc`."""
+        return T.ramp((rr * digits + d) * span + v * lw, 1, lw)
+
     def combine(acc, rr, v):
         """c0 + c1 / R + ... of row rr's int32 sums for vector v, in float32."""
-        total = T.Cast(fvec, acc[T.ramp(rr * digits * span + v * lw, 1, lw)])
+        total = T.Cast(fvec, acc[slot(rr, 0, v)])
         for d in range(1, digits):
-            total = total + T.Cast(fvec, acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)]) * \
+            total = total + T.Cast(fvec, acc[slot(rr, d, v)]) * \
                 T.broadcast(T.float32(1.0 / RADIX ** d), lw)
         return total
 
@@ -145,19 +149,16 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None, digits=
                         n // p * words * p - 1))
             for h in T.unroll(parts):
                 for rr, d, v in T.grid(R, digits, part):
-                    acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)] = \
-                        T.broadcast(off[r0 + rr, d, b], lw)
+                    acc[slot(rr, d, v)] = T.broadcast(off[r0 + rr, d, b], lw)
                 for s in T.unroll(steps):
                     for v in T.unroll(part):
                         for rr in T.unroll(R):
                             for d in T.unroll(digits):
-                                acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)] = \
-                                    T.call_llvm_pure_intrin(
-                                        ivec, intrin,
-                                        acc[T.ramp((rr * digits + d) * span + v * lw, 1, lw)],
-                                        operand(q, jb, b, s, h * span + v * lw),
-                                        T.reinterpret(bvec, T.broadcast(
-                                            dw[r0 + rr, d, b * steps + s], lw)))
+                                acc[slot(rr, d, v)] = T.call_llvm_pure_intrin(
+                                    ivec, intrin, acc[slot(rr, d, v)],
+                                    operand(q, jb, b, s, h * span + v * lw),
+                                    T.reinterpret(bvec, T.broadcast(
+                                        dw[r0 + rr, d, b * steps + s], lw)))
                 for rr in T.unroll(R):
                     for v in T.unroll(part):
                         sums[T.ramp(rr * p + h * span + v * lw, 1, lw)] = \

@@ -73,22 +73,17 @@ def run(module, *, host="127.0.0.1", port=8000, num_replicas=2, **options):
 
     stop = threading.Event()
     cpus = os.cpu_count() or 1
-
-    def on_signal():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=cpus)
     try:
         # (right after ray.init, which puts a handler of its own on SIGTERM that exits with
         # code 15: the replicas answer /health before serve.run returns, so a SIGTERM can come
-        # while it runs; and again after it, in case Serve's start put its own)
-        on_signal()
+        # while it runs; Serve's start and run leave ours in place)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         serve.start(http_options={"host": host, "port": port})
         serve.run(application(module, num_replicas=num_replicas,
                               num_cpus=max(0.1, cpus / num_replicas), **options),
                   route_prefix="/")
-        on_signal()
         print(f"serving {os.path.basename(module)} with {num_replicas} Ray Serve replicas at "
               f"http://{host}:{port} (SIGTERM or Ctrl-C stops)", flush=True)
         stop.wait()
