@@ -125,10 +125,3 @@ def compiled_lm(tmp_path_factory):
             _COMPILED[name] = (model, path)
         return _COMPILED[name]
     return get
-
-
-@pytest.fixture
-def op(request):
-    """The operator a per-operator test module checks (its `OP`: "hla2", "ahla" or "hla3"), for
-    the shared checks it imports from operator_checks.py."""
-    return request.module.OP

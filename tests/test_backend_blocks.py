@@ -4,7 +4,7 @@ the GPU's scratch budget, and the key/value-head work of each prefill chain."""
 import pytest
 import torch
 from conftest import make_qkv, rel_err
-from operator_checks import KV_STATE, REFS as OPS
+from test_op_shared import KV_STATE, REFS as OPS
 
 from hla_tvm import hla
 

@@ -28,7 +28,7 @@ BAD_AT = 21   # inside the second chunk (16..31): tokens 16..20 share its intra-
 
 def _tol(op, decay, normalize, backend):
     # Algorithm 1's decayed normalizer is a difference: float32 serial recurrences are off by
-    # ~1.6e-4 there (see operator_checks); the torch backend runs one for non-finite input
+    # ~1.6e-4 there (see test_op_shared.py); the torch backend runs one for non-finite input
     return 5e-4 if op.startswith("hla2") and decay and normalize else 1e-4
 
 

@@ -72,7 +72,7 @@ def _check_against_reference(order, asym, masked, normalize, ridge, arrays, gamm
                                _t64(_rep(arrays["v"], H)), normalize=normalize,
                                decay=_t64(gamma), state=st0, **opts)
     # second order with decay and normalize divides by q^T(S m - h), a difference: float32
-    # loses ~1e-4 there (as PyTorch's own float32 recurrence does; see tests/operator_checks.py)
+    # loses ~1e-4 there (as PyTorch's own float32 recurrence does; see tests/test_op_shared.py)
     tol = 5e-4 if (order, asym, normalize) == (2, False, True) and (gamma != 1).any() else 1e-4
     assert rel_err(torch.from_numpy(got[0]), want) <= tol
     kv = ops.get(order, asym).kv_state

@@ -1,37 +1,20 @@
 """Second order (hla2; with decay the hla2_decay kernels): the float64 reference three ways
 (quadratic form, serial recurrence as Algorithm 1, chunk-parallel form) and where the paper as
 printed differs, the fast PyTorch forms and the compiled kernels (float32 <= 1e-4), options
-(masked, normalize, ridge, decay), precisions, state carry and masks; with the checks every
-operator passes (`operator_checks`)."""
+(masked, normalize, ridge, decay), precisions, state carry and masks (the checks every operator
+passes are in test_op_shared.py)."""
 import pytest
 import torch
 from conftest import make_qkv, rel_err
-from operator_checks import (  # noqa: F401  (the shared checks, run for OP)
-    FAST as SHARED_FAST,
-    test_chunked_equals_serial_with_decay,
-    test_decayed_chunks_equal_serial_over_many_chunks,
-    test_family_matches_serial,
-    test_fast_chunked_tiny_decay_stays_finite,
-    test_fast_steps_match_serial,
-    test_gradients_match_quadratic_form,
-    test_grouped_heads_equal_repeated_heads,
-    test_one_head_many_chunks,
-    test_padding_equals_removing_it,
-    test_per_head_decay,
-    test_torch_backend_token_by_token_equals_serial,
-)
 
 from hla_tvm import hla, init_state
 from hla_tvm.ops import OPERATORS
 from hla_tvm.ops.hla2 import reference as ref
 
-OP = "hla2"   # the operator of this module's checks (the `op` fixture)
-
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
-FAST = SHARED_FAST | {
+FAST = {
     "test_caller_state_is_not_modified",
     "test_chunked_equals_serial",
-    "test_family_matches_serial[0.9-False-False-float32]",
     "test_fast_chunked_matches_quadratic_and_serial",
     "test_fast_hla2_step_options",
     "test_figure_1c_without_middle_term_is_wrong",
@@ -40,6 +23,7 @@ FAST = SHARED_FAST | {
     "test_options_match_serial_recurrence[masked=False-normalize=True-ridge=0.5]",
     "test_paper_decayed_scan_operator_is_not_algorithm_1",
     "test_serial_decay_matches_algorithm_1_by_hand",
+    "test_serial_equals_quadratic",
     "test_state_carry_prefill_prefill_decode",
     "test_state_continues_the_sequence",
 }

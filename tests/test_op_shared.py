@@ -1,19 +1,17 @@
-"""The checks every operator passes, each against float64 quadratic forms and serial
+"""The checks every operator passes, run for each operator of `hla_tvm.ops.OPERATORS` (the
+`op` parameter) unless `EXCLUDED` says why not, each against float64 quadratic forms and serial
 recurrences: the reference's own forms, the fast PyTorch forms (`ops/<op>/fast.py`) and the
-compiled kernels (backend="tvm"). A module per operator (`test_op_<op>.py`) imports the checks
-that apply to it and names its operator (`OP`, the `op` fixture of conftest.py)."""
+compiled kernels (backend="tvm"). An operator's own tests are in its module, `test_op_<op>.py`."""
 import pytest
 import torch
 from conftest import make_qkv, rel_err
 
 from hla_tvm import hla, init_state
 from hla_tvm.ops import OPERATORS
-from hla_tvm.ops.ahla import reference as ahla
-from hla_tvm.ops.hla2 import reference as hla2
-from hla_tvm.ops.hla3 import reference as hla3
 
-# the shared checks each module keeps whole in the fast subset (`-m "not slow"`: the reference's
-# and the PyTorch forms'); of the compiled kernels' checks a module names the cases it keeps
+# the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow): the
+# reference's and the PyTorch forms' checks whole, for every operator; of the compiled kernels'
+# checks one case per operator
 FAST = {
     "test_chunked_equals_serial_with_decay",
     "test_fast_chunked_family_matches_serial",
@@ -25,14 +23,27 @@ FAST = {
     "test_per_head_decay",
     "test_serial_equals_quadratic",
     "test_torch_backend_token_by_token_equals_serial",
+    "test_family_matches_serial[hla2-0.9-False-False-float32]",
+    "test_family_matches_serial[ahla-None-False-True-float32]",
+    "test_family_matches_serial[hla3-0.9-True-False-float32]",
+}
+
+# check -> {operator: why the check does not run for it}; every other pair runs
+EXCLUDED = {
+    "test_serial_equals_quadratic": {
+        "hla2": "test_op_hla2.py's test_serial_equals_quadratic checks it under every option "
+                "(masked, normalize, ridge)"},
+    "test_fast_chunked_family_matches_serial": {
+        "hla2": "test_op_hla2.py's test_fast_chunked_matches_quadratic_and_serial checks these "
+                "cases and more (masked, ridge, the quadratic form)"},
 }
 
 # operator -> (float64 reference, hla()'s keywords for it)
-REFS = {"hla2": (hla2, dict()), "ahla": (ahla, dict(asymmetric=True)),
-        "hla3": (hla3, dict(order=3))}
+REFS = {name: (o.ref, dict(order=o.order, asymmetric=o.asymmetric))
+        for name, o in OPERATORS.items()}
+KV_STATE = {name: o.kv_state for name, o in OPERATORS.items()}
 DECAYS = [None, 0.5, 0.9, 0.99]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float64: 1e-9}
-KV_STATE = {"hla2": ("S",), "ahla": ("P", "m"), "hla3": ("S", "P", "m")}
 
 # (decay, normalize, grouped heads, dtype) of the compiled kernels' check
 CASES = [(decay, normalize, grouped, torch.float32)
@@ -40,6 +51,13 @@ CASES = [(decay, normalize, grouped, torch.float32)
          for grouped in (False, True)]
 CASES += [(decay, False, False, dtype) for decay in (None, 0.9)
           for dtype in (torch.float16, torch.bfloat16, torch.float64)]
+
+
+def pytest_generate_tests(metafunc):
+    """Each check runs for every operator (`op`) but those EXCLUDED names for it."""
+    if "op" in metafunc.fixturenames:
+        skip = EXCLUDED.get(metafunc.definition.originalname, {})
+        metafunc.parametrize("op", [name for name in OPERATORS if name not in skip])
 
 
 # ---- the float64 reference: serial, chunked, quadratic ----
@@ -89,10 +107,9 @@ def test_grouped_heads_equal_repeated_heads(op, decay):
                                decay=decay)
     assert rel_err(out, want) < 1e-12
     shapes = {n: tuple(x.shape) for n, x in st.items()}
-    kv_entries = {"hla2": ["S"], "ahla": ["P", "m"], "hla3": ["S", "P", "m"]}[op]
     for n, x in st.items():
-        assert x.shape[1] == (2 if n in kv_entries else 6), shapes
-        assert rel_err(x, want_st[n][:, ::3] if n in kv_entries else want_st[n]) < 1e-12
+        assert x.shape[1] == (2 if n in KV_STATE[op] else 6), shapes
+        assert rel_err(x, want_st[n][:, ::3] if n in KV_STATE[op] else want_st[n]) < 1e-12
     # the grouped state continues the sequence
     q2, _, _ = make_qkv(2, 6, 5, 4, 4, seed=11)
     _, k2, v2 = make_qkv(2, 2, 5, 4, 3, seed=12)
