@@ -25,7 +25,13 @@ each panel of P columns (parallel), the rows in pairs (an odd last row alone): t
 K, each in parts of at most 4 vectors of columns (2 x D x 4 int32 sums and the P float32
 sums of each row in registers; a weight vector loaded and unpacked once for both rows), each
 block asking the cache for the weights `matvec.PREFETCH` bytes ahead (not on AMD Zen:
-`matvec.prefetch_bytes`). A row holding a NaN or an infinity gives NaN.
+`matvec.prefetch_bytes`). A row holding a NaN or an infinity gives NaN. int4's int32 sums
+are bound values (TIR `Bind`, in the order step, vector, row, digit), int8's a buffer: LLVM
+keeps int8's buffer in registers but stored int4's to memory after every VPDPBUSD, and the
+bound form spilled int8's 24 sums of two rows. On the Zen 4 VM (2 cores, 2026-12-07), 768 x
+6144, both forms in turn, fastest of 9: int4 in cache 39.5 / 66.8 / 134.8 us at 1 / 2 / 3 rows
+bound against 77.7 / 122.4 / 190.8 in the buffer; with 200 MB of copies read in turn, one
+row, 79 us against 111; int8 one row 43.4 us bound, 43.8 in the buffer, two rows 127 / 87.
 
 Measured on the Xeon VM (2 cores, 2026-12-07, `TVM_NUM_THREADS=2`), 768 x 6144 (the 120 M
 preset's gate and up projection), 100 MB of weight copies read in turn as a decode step reads
@@ -37,6 +43,8 @@ Rows in pairs against one at a time (the same weights, both kernels in turn, fas
 int8 at 2 / 3 / 8 rows 170 / 177 / 407 us against 196 / 219 / 507, one row alike (104 us);
 int4 alike at every count (its products, not the unpacking, bound it there)."""
 from __future__ import annotations
+
+import itertools
 
 BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
 DIGITS = {"int8": 3, "int4": 2}   # activation digits a block, per scheme
@@ -109,6 +117,7 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
     block_words = steps // 2 if int4 else steps   # rows of q a block
     ahead = PREFETCH if ahead is None else ahead
     digits = DIGITS[sch.name]
+    bound = int4   # the int32 sums as bound values (BOUND_SUMS)
     lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
     ahead = max(1, ahead // (4 * p * block_words))   # blocks
 
@@ -125,20 +134,48 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
         """The int32 sums of row rr, digit d, vector v of a part: their lanes in `acc`."""
         return T.ramp((rr * digits + d) * span + v * lw, 1, lw)
 
-    def combine(acc, rr, v):
-        """c0 + c1 / R + ... of row rr's int32 sums for vector v, in float32."""
-        total = T.Cast(fvec, acc[slot(rr, 0, v)])
+    def combine(value, rr, v):
+        """c0 + c1 / R + ... of row rr's int32 sums for vector v (`value(rr, d, v)`), in
+        float32."""
+        total = T.Cast(fvec, value(rr, 0, v))
         for d in range(1, digits):
-            total = total + T.Cast(fvec, acc[slot(rr, d, v)]) * \
+            total = total + T.Cast(fvec, value(rr, d, v)) * \
                 T.broadcast(T.float32(1.0 / RADIX ** d), lw)
         return total
+
+    def add_block(sums, scale, t, jb, b, r0, rr, col, total):
+        """Row rr's float32 sums of the lanes from column `col` of panel jb plus block b's
+        `total` times its scales."""
+        at = T.ramp(rr * p + col, 1, lw)
+        return T.buffer_store(sums, sums[at] + total * T.broadcast(t[r0 + rr, b], lw) *
+                              scale[b * BLOCK // g, T.ramp(jb * p + col, 1, lw)], [at])
+
+    def bound_block(q, scale, dw, off, t, sums, jb, b, r0, R):
+        """Block b's products added to the R rows' sums of panel jb with the int32 sums as
+        bound values (no buffer), in the order step, vector, row, digit: each weight vector
+        loaded and unpacked once for the R rows' D digits."""
+        for h in range(parts):
+            acc = {}
+            for rr, d in itertools.product(range(R), range(digits)):
+                start = T.bind(T.broadcast(off[r0 + rr, d, b], lw))
+                for v in range(part):
+                    acc[rr, d, v] = start
+            for s in range(steps):
+                for v in range(part):
+                    w = T.bind(operand(q, jb, b, s, h * span + v * lw))
+                    for rr, d in itertools.product(range(R), range(digits)):
+                        acc[rr, d, v] = T.bind(T.call_llvm_pure_intrin(
+                            ivec, intrin, acc[rr, d, v], w, T.reinterpret(bvec, T.broadcast(
+                                dw[r0 + rr, d, b * steps + s], lw))))
+            for rr, v in itertools.product(range(R), range(part)):
+                add_block(sums, scale, t, jb, b, r0, rr, h * span + v * lw,
+                          combine(lambda *key: acc[key], rr, v))
 
     @T.macro
     def rows(q, scale, out, dw, off, t, qf, jb, r0, R):
         """out[r0 : r0 + R, panel jb] for R (1 or 2) rows: each weight vector loaded and
         unpacked once for the R rows' products."""
         sums = T.decl_buffer((R * p,), "float32")
-        acc = T.decl_buffer((R * digits * span,), "int32")
         for c in T.vectorized(R * p):
             sums[c] = T.float32(0)
         for b in range(blocks):
@@ -147,24 +184,26 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
                     T.evaluate(prefetch(
                         qf, (jb * words + (b + ahead) * block_words) * p + line * 16,
                         n // p * words * p - 1))
-            for h in T.unroll(parts):
-                for rr, d, v in T.grid(R, digits, part):
-                    acc[slot(rr, d, v)] = T.broadcast(off[r0 + rr, d, b], lw)
-                for s in T.unroll(steps):
-                    for v in T.unroll(part):
-                        for rr in T.unroll(R):
-                            for d in T.unroll(digits):
-                                acc[slot(rr, d, v)] = T.call_llvm_pure_intrin(
-                                    ivec, intrin, acc[slot(rr, d, v)],
-                                    operand(q, jb, b, s, h * span + v * lw),
-                                    T.reinterpret(bvec, T.broadcast(
-                                        dw[r0 + rr, d, b * steps + s], lw)))
-                for rr in T.unroll(R):
-                    for v in T.unroll(part):
-                        sums[T.ramp(rr * p + h * span + v * lw, 1, lw)] = \
-                            sums[T.ramp(rr * p + h * span + v * lw, 1, lw)] + \
-                            combine(acc, rr, v) * T.broadcast(t[r0 + rr, b], lw) * \
-                            scale[b * BLOCK // g, T.ramp(jb * p + h * span + v * lw, 1, lw)]
+            if bound:   # (a Python bool)
+                bound_block(q, scale, dw, off, t, sums, jb, b, r0, R)
+            else:
+                acc = T.decl_buffer((R * digits * span,), "int32")
+                for h in T.unroll(parts):
+                    for rr, d, v in T.grid(R, digits, part):
+                        acc[slot(rr, d, v)] = T.broadcast(off[r0 + rr, d, b], lw)
+                    for s in T.unroll(steps):
+                        for v in T.unroll(part):
+                            for rr in T.unroll(R):
+                                for d in T.unroll(digits):
+                                    acc[slot(rr, d, v)] = T.call_llvm_pure_intrin(
+                                        ivec, intrin, acc[slot(rr, d, v)],
+                                        operand(q, jb, b, s, h * span + v * lw),
+                                        T.reinterpret(bvec, T.broadcast(
+                                            dw[r0 + rr, d, b * steps + s], lw)))
+                    for rr in T.unroll(R):
+                        for v in T.unroll(part):
+                            add_block(sums, scale, t, jb, b, r0, rr, h * span + v * lw,
+                                      combine(lambda *key: acc[slot(*key)], rr, v))
         for rr in range(R):
             for c in T.vectorized(p):
                 out[r0 + rr, jb * p + c] = sums[rr * p + c]
