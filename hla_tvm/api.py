@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from . import validate
-from .ops import state_dtype
-from .ops.common.reference import fold
+from . import backend as tvm_backend, validate
+from .backend import private_copy
+from .decode import decode_plan
+from .ops import chains, state_dtype
+from .ops.common.reference import fold, gamma
 from .options import Options
+from .target import for_device
 
 BACKENDS = ("tvm", "torch")
 
@@ -98,9 +101,6 @@ def _tvm_step(q, k, v, state, call, mask, chunk_size):
     """(o, new state) of one token through `decode_`'s plan (the one place that picks and calls
     the decode kernels), on a private copy of the state; None when an argument needs the full
     checks of `hla` (which then explain it). call: the keyword options (`options.DEFAULTS`)."""
-    from .backend import private_copy
-    from .decode import decode_plan
-
     validate.chunk_size(chunk_size)
     plan = decode_plan(q, k, v, call)
     if mask is not None:
@@ -193,11 +193,6 @@ def _zero_padding(x, mask):
 
 
 def _tvm(q, k, v, state, opts, mask, chunk_size):
-    from . import backend as tvm_backend
-    from .ops import chains
-    from .ops.common.reference import gamma
-    from .target import for_device
-
     op, decay = opts.op, opts.decay
     B, H, T, dk = q.shape
     dv = v.shape[-1]

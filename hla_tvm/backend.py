@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from . import build
@@ -25,8 +27,6 @@ def private_copy(x, dtype, device=None):
     launched right after then
     waits for a scheduler time slice (measured: 3.5 ms stalls on a 2-core machine, a 0.3 ms
     functional decode at B=8 taking 4 ms)."""
-    import numpy as np
-
     device = x.device if device is None else torch.device(device)
     if x.numel() <= SERIAL_COPY or x.dtype not in (torch.float16, torch.float32, torch.float64) \
             or x.device.type != "cpu" or device.type != "cpu":
@@ -45,6 +45,8 @@ def module(chain, dk, dv, target, *, chunk=None, group=1, schedules="auto", **op
     `chains.kernel_name`), for k, v with H / group heads; opts from `kernel_options`.
     schedules: "auto", "default" or a records folder (`schedule.tuning.records`); kernels with a
     record use its schedule, the others the default one."""
+    # TVM's compiler (schedule.tuning, schedule.gpu_limits) and tvm_ffi are imported where used:
+    # this module imports with the TVM runtime alone (benchmarks/gpu_check run)
     from .schedule.tuning import records
 
     opts = {**opts, **chains.target_options(chain, target, opts.get("dtype"))}
@@ -195,8 +197,6 @@ def _block_workers(n):
     (`_segmented`), each thread's kernels on one TVM worker, each with its own scratch."""
     with _BLOCKS_LOCK:
         if n not in _BLOCKS:
-            from concurrent.futures import ThreadPoolExecutor
-
             def start():
                 _WORKER.scratch = _Buffer()
                 with _BLOCKS_LOCK:

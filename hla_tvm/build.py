@@ -15,6 +15,7 @@ from .runtime import cache, libfile
 from .runtime.cache import root as cache_dir  # noqa: F401  (where the cache is: `cache`)
 from .runtime.pool import size_once
 from .schedule import TUNED, schedule_module  # noqa: F401  (TUNED: what marks a tuned kernel)
+from .version import __version__
 
 _MEMORY: dict = {}
 _LOCK = threading.Lock()
@@ -48,9 +49,9 @@ def code_digest() -> str:
 
 
 def _key_blob(spec: dict, target) -> str:
+    # TVM is imported where kernels are compiled: backend imports this module, which runs with the
+    # TVM runtime alone
     import tvm
-
-    from .version import __version__
 
     # "sealed": entries carry the libfile trailer; older unsealed entries are simply not found
     return json.dumps({"spec": spec, "target": str(target), "hla_tvm": __version__,

@@ -22,12 +22,20 @@ here, the machine running the bundle must have it); the GPU machine then needs o
 driver."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import textwrap
+import zipfile
+from importlib.metadata import version
 
+from .runtime import cache, read_meta
+from .runtime.device_code import cudart_path, folder_beside, read_checked
+from .runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
 from .runtime.libfile import elf_machine
 from .runtime.paths import replacing
 from .target import is_host_arch
@@ -53,14 +61,6 @@ def fetch_runtime(arch, progress=print):
     """A folder with `arch`'s tvm/ and tvm_ffi/ runtime files (RUNTIME_FILES) from the
     apache-tvm and apache-tvm-ffi wheels of the installed versions for manylinux `arch`:
     downloaded with pip once, then kept in the cache. OSError when pip cannot get them."""
-    import subprocess
-    import sys
-    import tempfile
-    import zipfile
-    from importlib.metadata import version
-
-    from .runtime import cache
-
     versions = {pkg: version(dist) for pkg, dist in DISTRIBUTIONS.items()}
     dest = os.path.join(cache.folder("runtime"), f"{arch}-tvm{versions['tvm']}-ffi"
                                                  f"{versions['tvm_ffi']}")
@@ -101,8 +101,6 @@ def runtime_packages(arch, runtime_from=None, progress=print):
     """(tvm folder, tvm_ffi folder) holding lib/ and include/ for `arch`: the installed
     packages' for this machine's architecture, else those under `runtime_from`, else
     `fetch_runtime`'s."""
-    import importlib.util
-
     if runtime_from is None and not is_host_arch(arch):
         runtime_from = fetch_runtime(arch, progress)
     if runtime_from is None:
@@ -122,8 +120,6 @@ def runtime_packages(arch, runtime_from=None, progress=print):
 def bundle(module, out, *, runtime_from=None, force=False, progress=print):
     """Write the bundle of the compiled module `module` to the folder `out` (see the module
     docstring). Refuses a non-empty `out` unless force. Returns the bundle's description."""
-    from .runtime import read_meta
-
     module, out = os.fspath(module), os.path.abspath(os.fspath(out))
     meta = read_meta(module)   # checked: sealed by hla-tvm compile, not truncated or altered
     arch = elf_machine(module)
@@ -158,8 +154,6 @@ CUDA_LIB = "libtvm_runtime_cuda.so"   # TVM's CUDA runtime, beside libtvm_runtim
 def _device_code(module):
     """The device code folder of the CUDA module at `module` (`device_code.folder_beside`),
     each file checked against its sha256; ValueError when it is missing or does not match."""
-    from .runtime.device_code import folder_beside, read_checked
-
     folder = folder_beside(module)
     binaries = sorted(f for f in os.listdir(folder) if f.endswith(".fatbin")) \
         if os.path.isdir(folder) else []
@@ -175,10 +169,6 @@ def _device_code(module):
 def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
     """The bundle's files in the folder `out` (`device_code`: the CUDA module's device code
     folder, or None); returns its description."""
-    from importlib.metadata import version
-
-    from .runtime.device_code import cudart_path
-
     shutil.copy2(module, os.path.join(out, "model.so"))
     src = export_sources()
     shutil.copytree(os.path.join(src, "cpp"), os.path.join(out, "cpp"),
@@ -214,8 +204,6 @@ def _write(out, module, arch, meta, tvm_root, ffi_root, device_code=None):
 
 
 def _readme(info):
-    from .runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
-
     text = info["vocab"] == "bytes"
     prompt = '--text "def fib(" --tokens 200' if text else "--prompt-ids 5,9,2,33 --tokens 12"
     if info["config"] is None:   # (an old module for another architecture: its metadata unread)

@@ -14,10 +14,13 @@ import threading
 import numpy as np
 import torch
 
-from . import ops, options, validate
-from .ops import state_dtype
+from . import backend, ops, options, validate
+from .backend import on_stream
+from .ops import chains, state_dtype
+from .ops.common.reference import gamma
 from .options import Options
 from .runtime.pool import Adaptive, default_threads, env_threads, use_threads
+from .target import for_device
 from .validate import ALIGN, aligned
 
 _PLANS: dict = {}
@@ -55,11 +58,6 @@ class _Plan:
     """What one (shapes, dtype, options) combination needs at call time."""
 
     def __init__(self, q, k, v, call):
-        from . import backend
-        from .ops import chains
-        from .ops.common.reference import gamma
-        from .target import for_device
-
         if not (q.dim() == k.dim() == v.dim()) and {q.dim(), k.dim(), v.dim()} <= {3, 4}:
             raise ValueError(f"decode_ takes q, k, v all [B, H, D] or all [B, H, 1, D], got q "
                              f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -167,8 +165,6 @@ class _Plan:
     def run(self, q, k, v, st, out):
         """o [B, H, 1, Dv] after one token; the tensors of `st` advanced in place."""
         if self.cuda:   # on the device's current PyTorch stream
-            from .backend import on_stream
-
             with on_stream(self.device):
                 return self._run(q, k, v, st, out)
         return self._run(q, k, v, st, out)

@@ -12,8 +12,29 @@ import os
 import sys
 import time
 
-from .models import SHIPPED
+import numpy as np
+import torch
+
+from .build import sources_digest
+from .compiler import compile as compile_model, records_folder
+from .evaluate import ModuleLM, TorchLM, evaluate, held_out_bytes
+from .models import HLALM, SHIPPED
+from .models.hlalm import weights_digest
 from .progress import progress_line
+from .quant import scheme
+from .quant.torch_weights import dequantized_model
+from .runtime import MODULE_FORMAT, cache, libfile
+from .runtime.generate import (
+    Eager,
+    check_sampling,
+    encode_text,
+    generate,
+    sampling,
+    text_decoder,
+)
+from .runtime.model import weights_summary
+from .runtime.pool import OtherLoad
+from .target import is_host_arch, resolve, target_arch
 
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
 TOL = 1e-3
@@ -31,12 +52,10 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantiz
     streams, as `hla_tvm.compile` takes them), from the cache when an earlier run built it
     (keyed by the weights, the scheme, the bound, the target, the records, the package's
     source and the TVM version); a damaged cached file is compiled again."""
+    # TVM (and schedule.tuning, which imports it) is imported where a module is compiled: `hla-tvm
+    # demo --help` imports this module
     import tvm
 
-    from .build import sources_digest
-    from .compiler import compile as compile_model, records_folder
-    from .models.hlalm import weights_digest
-    from .runtime import MODULE_FORMAT, cache, libfile
     from .schedule.tuning import records
 
     rec = records_folder(schedules, target)
@@ -62,21 +81,8 @@ def compiled_module(model, target, checkpoint=SHIPPED, schedules="auto", quantiz
 
 def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0, target=None,
         checkpoint=SHIPPED, quantize=None, group_size=None, accuracy_bytes=16384):
-    import numpy as np
-    import torch
-
-    from .models import HLALM
-    from .quant import scheme
+    # (local: `load` also names the other-load monitor below)
     from .runtime import load
-    from .runtime.generate import (
-        Eager,
-        check_sampling,
-        encode_text,
-        generate,
-        sampling,
-        text_decoder,
-    )
-    from .target import is_host_arch, resolve, target_arch
 
     sch = scheme(quantize, group_size)
     temperature, top_k = sampling(True, temperature, top_k)
@@ -100,9 +106,6 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
                               max_batch=STREAMS)
     m = load(path)
     if sch is not None:
-        from .quant.torch_weights import dequantized_model
-        from .runtime.model import weights_summary
-
         float_model, model = model, dequantized_model(model, sch)   # what the module computes
         print(f"weights: {weights_summary(m.meta)}", flush=True)
     decode = text_decoder()
@@ -123,7 +126,6 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
     print(decode([], final=True) + "\n" + "-" * 72)
     # the same bytes through both: decode speed and logits, step by step
     seq = ids + out[:-1]
-    from .runtime.pool import OtherLoad
 
     with OtherLoad() as load:
         compiled = _teacher_forced(m, seq, len(ids))
@@ -161,8 +163,6 @@ def run(prompt=DEFAULT_PROMPT, tokens=200, temperature=None, top_k=None, seed=0,
 def _accuracy(module, float_model, count):
     """Print the held-out bits/byte of the quantized `module` beside the float32 model's over
     the first `count` bytes of `hla-tvm train`'s validation split (`hla-tvm eval` for more)."""
-    from .evaluate import ModuleLM, TorchLM, evaluate, held_out_bytes
-
     ids = held_out_bytes()[:count]
     with progress_line(f"accuracy: {ids.size:,} held-out bytes through both ..."):
         ref, got = evaluate([TorchLM(float_model), ModuleLM(module)], ids, 4096)
@@ -182,8 +182,6 @@ def _teacher_forced(model, seq, n_prompt, passes=PASSES):
     fresh state: the median pass's prefill and decode times, and the logits after the prompt
     and after each decoded token (of the first pass). A first, untimed prefill and decode step
     pay each side's one-off costs (PyTorch's first eager call took 1.5 s once)."""
-    import numpy as np
-
     warm = model.init_state(1)
     _, warm = model.prefill(np.array([seq[:n_prompt]], dtype=np.int64), warm)
     if len(seq) > n_prompt:

@@ -21,6 +21,8 @@ class ModuleLM:
     """A compiled module (`runtime.load`): logits of a piece, the state carried."""
 
     def __init__(self, model):
+        # the runtime, torch and the models are imported where used: `hla-tvm eval --help` imports
+        # this module (numpy alone)
         from .runtime.model import scheme_name
 
         self.model = model

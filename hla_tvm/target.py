@@ -4,6 +4,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
+import shutil
+
+from .runtime import cpu_features as host_cpu
+from .runtime.cpu_features import X86
 
 HOST_ALIASES = (None, "llvm", "host")
 # named targets besides "llvm"/"host" and TVM target dicts
@@ -30,6 +35,8 @@ CUDA_LIMITS = {"max_threads_per_block": 1024, "max_num_threads": 1024, "thread_w
 def host_target():
     """The machine we run on: LLVM for the host CPU model with all its cores, and with the
     features the CPU reports where LLVM's model of that name differs (`host_mattr`)."""
+    # TVM and torch are imported where used: bundle (`hla-tvm bundle`: no TVM compiler) and the cli
+    # import this module
     import tvm
 
     config = {"kind": "llvm", "num-cores": os.cpu_count() or 1,
@@ -45,9 +52,7 @@ def host_mattr(mcpu):
     prefers 256-bit vectors; [] where the two agree or the features cannot be read."""
     import tvm
 
-    from .runtime.cpu_features import host_features
-
-    have = host_features()
+    have = host_cpu.host_features()   # (looked up at each call: tests patch it)
     if have is None:
         return []
     model = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
@@ -74,8 +79,6 @@ def _x86_features(target):
     """{feature: whether LLVM gives `target` it} for the x86 features of
     `runtime.cpu_features.X86` this LLVM knows."""
     import tvm
-
-    from .runtime.cpu_features import X86
 
     out = {}
     for feature in X86.values():
@@ -214,8 +217,6 @@ CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc", "arm64": "aarch64-linux-g
 def target_arch(target):
     """The CPU architecture code for `target` (a resolved Target) runs on: its mtriple's first
     part (its host's for a GPU target), or this machine's (`platform.machine()`) without one."""
-    import platform
-
     cpu = target if target.kind.name == "llvm" else target.host
     triple = str(cpu.attrs.get("mtriple", "") or "") if cpu is not None else ""
     arch = triple.split("-")[0] or platform.machine()
@@ -224,8 +225,6 @@ def target_arch(target):
 
 def is_host_arch(arch):
     """True when code for the architecture `arch` runs on this machine."""
-    import platform
-
     return arch == {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(),
                                                                   platform.machine())
 
@@ -234,8 +233,6 @@ def cross_compiler(target):
     """The C compiler command that links libraries for `target` (a resolved Target): None when
     it is this machine's own architecture (`target_arch`); ValueError naming the package to
     install when the cross compiler is missing."""
-    import shutil
-
     arch = target_arch(target)
     if is_host_arch(arch):
         return None

@@ -17,8 +17,12 @@ import zlib
 
 import torch
 from torch.nn import functional as F
+from tqdm import tqdm
 
 from . import validate
+from .models import HLALM
+from .models.hlalm import init_weights
+from .models.softmax_baseline import softmax_baseline
 from .runtime.paths import replacing
 
 VAL_MODULUS = 20
@@ -82,8 +86,6 @@ def fit(model, train, val, *, steps, batch=16, seq_len=256, lr=3e-3, warmup=30, 
     """Train `model` in place; returns the history {"steps": [...], "train_bpb": [...],
     "val": [[step, bpb], ...], "seconds", "tokens"}. With `seconds`, the run stops at that wall
     time and the learning rate decays over it (then it is not reproducible step for step)."""
-    from tqdm import tqdm
-
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     val_gen = torch.Generator().manual_seed(seed + 1)
@@ -132,6 +134,7 @@ def write_curve(hist, path, label):
     with replacing(path + ".json", "w") as f:
         json.dump({"label": label, **hist}, f, indent=1)
     try:
+        # matplotlib: the bench extra (optional; no plot without it)
         import matplotlib
 
         matplotlib.use("Agg")   # (no display needed)
@@ -185,10 +188,6 @@ def run(out, *, steps=600, batch=16, seq_len=256, lr=3e-3, seed=0, attention="hl
     on the standard library and write `out` (an HLALM checkpoint; not for attention="softmax",
     the baseline, which has no decay) and its curve `out` minus ".pt" + ".json"/".png".
     Returns the history."""
-    from .models import HLALM
-    from .models.hlalm import init_weights
-    from .models.softmax_baseline import softmax_baseline
-
     if attention not in ("hla", "softmax"):
         raise ValueError(f"attention must be 'hla' or 'softmax', got {attention!r}")
     for name, value in (("steps", steps), ("batch", batch), ("seq_len", seq_len)):

@@ -8,6 +8,8 @@ import numbers
 
 import torch
 
+from . import ops
+
 # The compiled kernels assume ALIGN-byte aligned data (TVM's allocation alignment) and load it
 # with aligned vector instructions: a tensor that starts elsewhere (a view at an odd offset) is
 # copied on the way in (`aligned`), and a state or output updated in place is refused.
@@ -217,8 +219,6 @@ def attention_mask(mask, B, T):
 def operator_options(order, asymmetric, masked, normalize, eps, ridge, decay_arg, H, Hkv):
     """The checked options of one operator call: (op, eps, ridge, decay); the decay as `decay`
     returns it, and with grouped heads equal within each group (their key moment is shared)."""
-    from . import ops
-
     order = integer("order", order, choices={2, 3})
     for name, flag in (("asymmetric", asymmetric), ("masked", masked),
                        ("normalize", normalize)):

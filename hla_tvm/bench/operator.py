@@ -36,6 +36,14 @@ import statistics
 
 import torch
 
+from .. import validate
+from ..api import hla
+from ..decode import decode_
+from ..ops import OPERATORS, get
+from ..runtime.paths import replacing
+from ..runtime.pool import OtherLoad
+from ..target import resolve
+from .model import has_bf16_units
 from .timing import SelfTimed, load_notes, machine, measure_rounds
 
 OPS = {"hla2": dict(), "ahla": dict(asymmetric=True), "hla3": dict(order=3)}
@@ -68,10 +76,6 @@ def _repeat_kv(x, heads):
 
 def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
     """{name: fn} of one decode step each, from the state after 16 prompt tokens."""
-    from ..api import hla
-    from ..decode import decode_
-    from ..ops import OPERATORS, get
-
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, 17, dk, dv, kv_heads)
     _, st = hla(q[:, :, :16], k[:, :, :16], v[:, :, :16], decay=decay, return_state=True,
@@ -119,8 +123,9 @@ def decode_cases(batch, heads, dk, dv, op, decay, kv_heads=None):
 
 def _tuned_records():
     """True when `hla-tvm tune` wrote records for this machine (schedules="auto" finds them)."""
+    # TVM's compiler and ONNX Runtime are imported where used: `hla-tvm bench --help` imports this
+    # module
     from ..schedule.tuning import records
-    from ..target import resolve
 
     return records.find("auto", resolve(None))[0] is not None
 
@@ -134,9 +139,6 @@ def hla2_prefill_flops(B, H, T, dk, dv, n):
 
 
 def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=None):
-    from ..api import hla
-    from ..ops import OPERATORS
-
     kw = OPS[op]
     q, k, v = _inputs(batch, heads, seq, dk, dv, kv_heads)
     cases = {"tvm": lambda: hla(q, k, v, decay=decay, chunk_size=chunk_size,
@@ -169,7 +171,6 @@ def prefill_cases(batch, heads, seq, dk, dv, op, decay, chunk_size, kv_heads=Non
 
     cases["torch_chunk_loop"] = chunk_loop(one_chunk)
     cases["torch_compile_chunk_loop"] = chunk_loop(compiled_chunk)
-    from .model import has_bf16_units
 
     if has_bf16_units():   # bfloat16: our kernels on bfloat16 inputs, PyTorch's autocast
         qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
@@ -272,8 +273,6 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
     dv = dv or dk
     kv_heads = kv_heads or heads
     if json_path:
-        from .. import validate
-
         json_path = validate.output_path("json_path", json_path)
     if heads % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
@@ -292,7 +291,6 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
         peaks[name] = peak_rss_growth(fn)
 
     busy = {}
-    from ..runtime.pool import OtherLoad
 
     with OtherLoad() as load:
         times = measure_rounds(cases, repeat, number, probe if mode == "prefill" else None,
@@ -316,8 +314,6 @@ def run(mode="decode", batch=1, heads=8, seq=8192, dk=64, dv=None, op="hla2", de
               "other_load_cores": load.cores, **summary(results), **extra}
     _table(report, out)
     if json_path:
-        from ..runtime.paths import replacing
-
         with replacing(json_path, "w") as f:
             json.dump(report, f, indent=1)
         out(f"wrote {json_path}")

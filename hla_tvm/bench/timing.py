@@ -5,6 +5,9 @@ from __future__ import annotations
 import platform
 import time
 
+from ..runtime import physical_cores
+from ..runtime.pool import OtherLoad
+
 
 def settle(most=1.0, window=0.005):
     """Wait, up to `most` seconds, until this process's threads are idle (under a tenth of a
@@ -68,8 +71,6 @@ def load_notes(others, busy):
     """The table's notes on a busy machine: `others` (cores other processes kept busy while it
     was timed, `pool.OtherLoad.cores`), `busy` ({case: "k" or "k of n" runs that started before
     this process's threads went idle, `measure_rounds`})."""
-    from ..runtime.pool import OtherLoad
-
     out = []
     if others is not None and others >= OtherLoad.BUSY:
         out.append(f"note: other processes kept {others:.1f} of this machine's CPUs busy while "
@@ -84,8 +85,6 @@ def load_notes(others, busy):
 
 def machine():
     """{cpu, cores, isa} of this machine."""
-    from ..runtime import physical_cores
-
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 
+from ..version import __version__
 from .args import Defaults
 
 # what a user can cause: bad files, targets, arguments, unsupported options
@@ -72,8 +73,6 @@ def command_module(name):
 
 def build_parser(only=None):
     """The `hla-tvm` parser; the arguments of command `only` (None: every command) added."""
-    from ..version import __version__
-
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of an error")
@@ -115,6 +114,7 @@ def main(argv=None):
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # the runtime (numpy) is imported once a command runs: `hla-tvm --help` stays fast
     from ..runtime import paths
 
     stopped = []   # (the signal, once SIGTERM came)

@@ -30,6 +30,7 @@ def positive_float(text):
 def quantize_arguments(p, what):
     """Add --quantize (help: `what`) and --group-size, the weight scheme as `hla_tvm.compile`
     takes it (`quant.scheme`), to the parser `p`."""
+    # quant.scheme imports numpy: `hla-tvm --help` imports this module
     from ..quant.scheme import GROUP_SIZES, SCHEMES
 
     p.add_argument("--quantize", choices=SCHEMES, default=None, help=what)

@@ -16,6 +16,8 @@ def add_arguments(p):
 
 
 def main(args):
+    # the library is imported once the arguments are parsed: `hla-tvm bundle --help` (and `hla-tvm
+    # --help`) import this module
     from ..bundle import bundle
 
     info = bundle(args.module, args.output, runtime_from=args.runtime_from, force=args.force)

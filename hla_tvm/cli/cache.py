@@ -31,6 +31,8 @@ _CACHE_KINDS = {"kernels": "compiled kernel modules",
 def _model_line(path):
     """What a cached compiled model is (its model's shape, weight scheme and target, from the
     metadata its library holds: nothing is loaded), or why that cannot be read."""
+    # the library is imported once the arguments are parsed: `hla-tvm cache --help` (and `hla-tvm
+    # --help`) import this module
     from ..runtime.model import read_meta, scheme_name
 
     try:

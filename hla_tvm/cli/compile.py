@@ -41,6 +41,8 @@ def add_arguments(p):
                           "state stay float32")
 
 def main(args):
+    # torch, TVM and the library are imported once the arguments are parsed: `hla-tvm compile
+    # --help` (and `hla-tvm --help`) import this module
     from ..compiler import resolve_model_target
     from ..target import parse
 

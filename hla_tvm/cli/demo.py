@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..demo import DEFAULT_PROMPT, run
 from ..runtime.generate import TEXT_TEMPERATURE, TEXT_TOP_K
-from .args import positive, quantize_arguments
+from ..target import parse
+from .args import checked_scheme, positive, quantize_arguments
 
 DESCRIPTION = ("Compile the shipped model (a second-order HLALM trained on "
                "Python's standard library with `hla-tvm train`) for this CPU with "
@@ -32,9 +33,6 @@ def add_arguments(p):
 
 
 def main(args):
-    from ..target import parse
-    from .args import checked_scheme
-
     checked_scheme(args)   # a bad scheme named by the flags, before any work
     return run(prompt=args.prompt, tokens=args.tokens, temperature=args.temperature,
                top_k=args.top_k, seed=args.seed, target=parse(args.target),

@@ -97,6 +97,8 @@ def main(args):
         print(f"{str(path):<{width}}  {m.weights:<{wide}} {r['bits']:>10.4f} "
               f"{r['bits'] - results[0]['bits']:>+9.4f} {r['max_logit_diff']:>17.4g}")
     if args.json:
+        # the library is imported once the arguments are parsed: `hla-tvm eval --help` (and
+        # `hla-tvm --help`) import this module
         from ..runtime.paths import replacing
 
         with replacing(args.json, "w") as f:

@@ -24,6 +24,8 @@ def add_arguments(p):
 
 
 def main(args):
+    # torch, onnx and the library are imported once the arguments are parsed: `hla-tvm export-onnx
+    # --help` (and `hla-tvm --help`) import this module
     from .. import validate
     from ..models.source import load
     from ..onnx import export

@@ -95,6 +95,8 @@ def _module_info(path, meta):
     cfg = meta.get("config") or {}
     if cfg:
         lines.append("model: " + ", ".join(f"{k} {v}" for k, v in cfg.items()))
+    # the runtime (numpy) is imported once the arguments are parsed: `hla-tvm run --help` (and
+    # `hla-tvm --help`) import this module
     from ..bundle import elf_machine
     from ..runtime.model import state_bytes, weights_summary
 

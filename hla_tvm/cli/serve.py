@@ -113,6 +113,9 @@ def read_chat_template(path):
     line naming --chat-template otherwise."""
     if path is None:
         return None
+    # the server (the serve extra: FastAPI, uvicorn), Ray (the ray extra) and the runtime are
+    # imported once the arguments are parsed: `hla-tvm serve --help` (and `hla-tvm --help`) import
+    # this module
     from ..serve.chat import ChatTemplate, TemplateError
 
     try:

@@ -63,6 +63,8 @@ def _model_kernels(path, target, sch=None):
     """The tunable functions of the model at `path` (a checkpoint or an ONNX file) as `compile`
     builds them for `target`: its HLA kernels and projections, {name: (PrimFunc, argument
     shapes at the tuning shape)}."""
+    # torch, TVM and the library are imported once the arguments are parsed: `hla-tvm tune --help`
+    # (and `hla-tvm --help`) import this module
     from ..compiler import prepare, target_entries
     from ..schedule.tuning.model import tunable
 

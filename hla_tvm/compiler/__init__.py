@@ -11,10 +11,15 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
+
 from .. import validate
+from ..models.hlalm import weights_digest
 from ..progress import Stages
-from ..runtime import META_FUNC, MODULE_FORMAT
-from ..target import cross_compiler
+from ..quant import from_meta, scheme
+from ..runtime import META_FUNC, MODULE_FORMAT, device_code, libfile
+from ..runtime.text import CHAT, TOKENIZER, read_chat, read_tokenizer
+from ..target import cpu_features, cross_compiler, resolve
 from .export import (  # noqa: F401 - the package's names
     PREFILL_SKIPS,
     Decode,
@@ -44,7 +49,9 @@ from .pipeline import (  # noqa: F401
 def _with_meta(mod, meta):
     """Add a Relax function returning the metadata JSON as uint8 bytes (readable by the runtime
     alone)."""
-    import numpy as np
+    # TVM (and the modules that import it: schedule.tuning, passes) is imported where a module is
+    # compiled: this package imports with torch alone (the ONNX exporter, `hla-tvm bench/demo
+    # --help` import it)
     from tvm import relax
 
     bb = relax.BlockBuilder(mod)
@@ -79,8 +86,6 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     tokenizer: a tokenizer.json (Hugging Face `tokenizers`) whose vocabulary fits the model's,
     kept in the module: `hla-tvm run --prompt`, `hla-tvm serve` and the runtime's `text` then
     take and give text (byte-level models have it without one)."""
-    from ..quant import scheme
-
     sch = scheme(quantize, group_size)
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
@@ -92,7 +97,6 @@ def compile(model, *, target="llvm", out="model.so", schedules="auto", max_batch
     out = validate.output_path("out", out)
     tgt = resolve_model_target(target)
     records_path = records_folder(schedules, tgt)
-    from ..models.hlalm import weights_digest
 
     config = getattr(model, "config", None)
     text = tokenizer_text(tokenizer, int(config["vocab_size"]) if config else None)
@@ -114,7 +118,6 @@ def tokenizer_text(path, vocab_size):
     tokenizer_config.json beside it where there is one} for the module, or {} for None."""
     if path is None:
         return {}
-    from ..runtime.text import CHAT, TOKENIZER, read_chat, read_tokenizer
 
     out = {TOKENIZER: read_tokenizer(path, vocab_size)}
     chat = read_chat(path)
@@ -138,8 +141,6 @@ def resolve_model_target(target):
     """The tvm.target.Target for `target` (checked: ValueError/TypeError for a bad one, or
     for another CPU architecture whose cross linker is missing); NotImplementedError for kinds
     other than llvm (CPU) and cuda."""
-    from ..target import resolve
-
     tgt = resolve(target)
     if tgt.kind.name not in ("llvm", "cuda"):
         raise NotImplementedError(f"compiling models for target kind {tgt.kind.name!r} is not "
@@ -154,8 +155,6 @@ def build(mod, meta, target, out, records_path=None, stages=None, sch=None):
     library to `out` (atomically); for a CUDA target, its device code beside it where nvcc is
     installed (`device_code.ship`). `stages`: a `progress.Stages` told each stage; `sch`: the
     weights' `quant.Scheme` (None: the one `meta` records, if any). Returns `out`."""
-    from ..runtime import device_code, libfile
-
     stages = stages or Stages("compile", show=False)
     mod = target_entries(mod, target)
     meta = {**meta, "entries": entries(mod)}
@@ -198,7 +197,6 @@ def executable(mod, meta, target, records_path=None, stages=None, sch=None):
     if meta.get("vocab_size") is None:   # a model without a config: the runtime checks every
         # token id against the rows of the table the ids index, else the logits' width
         meta = {**meta, "vocab_size": token_rows(mod) or _logits_width(mod)}
-    from ..quant import from_meta
 
     stages = stages or Stages("compile", show=False)
     stages("preparing the graph (weights packed, operators fused)")
@@ -210,7 +208,6 @@ def executable(mod, meta, target, records_path=None, stages=None, sch=None):
         meta = {**meta, "quantize": {**sch.as_meta(), **report}}
     stages("scheduling the kernels")
     mod, used = schedule_model(mod, target, records_path)
-    from ..target import cpu_features
 
     features = cpu_features(target)   # what the loader checks this CPU for
     meta = {**meta, **({"cpu_features": features} if features else {}),

@@ -7,6 +7,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.export import Dim
 
 from ..runtime.model import DECODE_ONE
 
@@ -67,8 +68,8 @@ def unflatten_state(flat, layout):
 def to_relax(model, *, max_batch=None, target=None):
     """The Relax IRModule with `prefill` and `decode` for `model` (an HLALM-like module with
     forward(tokens, state) -> (logits, state) and init_state(batch))."""
-    from torch.export import Dim
-
+    # TVM (relax_hla, torch_export) and sympy are imported where used: the package imports this
+    # module without TVM
     from .relax_hla import chunks_for
     from .torch_export import import_exported
 
@@ -136,8 +137,6 @@ def export_prefill(fn, args, dynamic_shapes):
     runs a piece of such a length as decode steps (metadata "prefill_skips"). A condition
     that excludes more (a model whose code branches on the prompt's length) is refused in one
     line."""
-    import torch
-
     try:
         return torch.export.export(fn, args, dynamic_shapes=dynamic_shapes), []
     except torch._dynamo.exc.UserError as err:

@@ -16,6 +16,8 @@ def prepare(mod, target, quantize=None):
     that provably lie within their input marked so (`inbound_slices`), then `legalize`d, the
     functions only a prefill runs marked (`prefill_rows`). Returns the module, or (module, the
     packing's report) when `quantize` is given."""
+    # the passes, TVM and the schedule rules are imported where used: the package (which imports
+    # without TVM) imports this module
     from .passes.fused_rms_norm import fused_rms_norm
     from .passes.inbound_slices import inbound_slices
     from .passes.int_clip import int_clip

@@ -20,6 +20,7 @@ from tvm.tirx import IntImm
 from .. import ops, validate
 from ..ops import chains
 from ..ops.common import tir as _tir
+from ..schedule.gpu_limits import gpu_chunk
 from ..schedule.tuning import records
 
 
@@ -93,8 +94,6 @@ def emit_hla(bb, op_name, q, k, v, state, gamma, *, chunk, dtype, **opts):
     if _GPU_TARGET.get() is not None:
         opts = {**opts, **chains.gpu_options(chain)}
     if _GPU_TARGET.get() is not None and not decode:
-        from ..schedule.gpu_limits import gpu_chunk
-
         chunk = gpu_chunk(chain, dk, dv, _GPU_TARGET.get(), chunk=chunk, group=group,
                           dtype=dtype, **opts)
     if gamma is None and chain.takes_gamma:

@@ -7,6 +7,14 @@ import os
 import re
 import warnings
 
+import torch
+import tvm
+from torch import fx
+from tvm import relax, tirx
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from .passes.flat_matmul import unflatten_matmuls
+from .passes.shape_bounds import export_ranges, tighten_shapes
 from .relax_hla import emit_operator
 
 OP_NAME = "hla.default"   # how TVM's frontend names torch.ops.hla_tvm.hla.default
@@ -28,10 +36,6 @@ def convert_select(node, importer):
     here a symbolic index becomes a one-element index tensor taken in "wrap" mode, so that a
     negative value counts from the axis' end as in PyTorch. (A constant index is taken as TVM
     takes it; `safe_take` gives its take PyTorch's meaning.)"""
-    import tvm
-    from torch import fx
-    from tvm import relax, tirx
-
     x = importer.env[node.args[0]]
     dim, index = node.args[1], node.args[2]
     bb = importer.block_builder
@@ -48,9 +52,6 @@ def convert_select(node, importer):
 
 def import_exported(ep):
     """Relax IRModule ("main") of an ExportedProgram whose HLA nodes call our kernels."""
-    from .passes.flat_matmul import unflatten_matmuls
-    from .passes.shape_bounds import export_ranges, tighten_shapes
-
     ep = without_runtime_asserts(ep)   # (decomposed there, as TVM's importer would)
     with quiet_pytree_deprecation():
         mod = _importer()().from_exported_program(
@@ -79,8 +80,6 @@ def source_line(node):
 def _importer():
     """TVM's ExportedProgramImporter whose every converter names the op and the model's
     source line when it fails (`UnsupportedPattern`), instead of TVM's message alone."""
-    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
-
     def named(name, convert):
         def run(node, *rest):
             try:
@@ -110,8 +109,6 @@ def _index_copy(x, dim, index, source):
     rows `index`): torch decomposes it to an index_put with a None index per leading axis,
     which TVM's importer refuses ("IndexPut requires the number of index tensors ... to match
     the data tensor dimensions")."""
-    import torch
-
     shape = [1] * source.dim()
     shape[dim] = -1
     return x.scatter(dim, index.view(shape).expand_as(source), source)
@@ -119,8 +116,6 @@ def _index_copy(x, dim, index, source):
 
 def decomposition_table():
     """torch.export's default decompositions, with index_copy as a scatter (`_index_copy`)."""
-    import torch
-
     table = torch.export.default_decompositions()
     table[torch.ops.aten.index_copy.default] = _index_copy
     return table

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..nn import HLAttention, RMSNorm, SoftmaxAttention, SwiGLU
 from ..nn.layers import decay_values
+from ..runtime.paths import replacing
 
 CHECKPOINT_FORMAT = "hla_tvm.HLALM/1"
 # what token ids mean: None (the caller's own vocabulary) or "bytes" (id = byte value, 256 ids)
@@ -148,8 +149,6 @@ class HLALM(nn.Module):
     def save(self, path):
         """Config, weights and their digest (`weights_digest`) in torch's weights-only format
         (nothing arbitrary is pickled)."""
-        from ..runtime.paths import replacing
-
         weights = self.state_dict()
         with replacing(path) as f:   # (whole or not at all: `paths.replacing`)
             torch.save({"format": CHECKPOINT_FORMAT, "config": self.config, "weights": weights,

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..nn import RMSNorm
+from .hlalm import HLALM
 
 
 class SoftmaxAttention(nn.Module):
@@ -39,8 +40,6 @@ class SoftmaxAttention(nn.Module):
 
 def softmax_baseline(config):
     """An HLALM built from `config` whose attention layers are `SoftmaxAttention`."""
-    from .hlalm import HLALM
-
     model = HLALM(**config)
     for block in model.blocks:
         block.attn = SoftmaxAttention(config["d_model"], config["n_heads"],

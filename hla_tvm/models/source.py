@@ -14,6 +14,10 @@ import os
 import re
 import sys
 
+from torch import nn
+
+from .hlalm import HLALM
+
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -25,8 +29,6 @@ def is_factory(spec):
 def check_protocol(model, what="model"):
     """TypeError unless `model` is a torch module with forward(tokens, state) and
     init_state(batch)."""
-    from torch import nn
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"{what} must give a torch.nn.Module, got {type(model).__name__}")
     for attr in ("init_state", "forward"):
@@ -56,7 +58,6 @@ def from_factory(spec):
         if not hasattr(obj, part):
             raise ValueError(f"{spec}: {module_name} has no {attr}")
         obj = getattr(obj, part)
-    from torch import nn
 
     model = obj if isinstance(obj, nn.Module) else obj() if callable(obj) else obj
     return check_protocol(model, spec).eval()
@@ -66,6 +67,5 @@ def load(spec):
     """The model of `spec`: module:factory, else a checkpoint (`HLALM.load`)."""
     if is_factory(spec):
         return from_factory(spec)
-    from .hlalm import HLALM
 
     return HLALM.load(spec)

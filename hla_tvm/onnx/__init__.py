@@ -26,6 +26,7 @@ __all__ = ["DOMAIN", "OP_TYPE", "add_functions", "check", "check_functions", "ma
 
 def __getattr__(name):
     if name == "export":
+        # loaded on first use: the exporter imports torch, the importer TVM
         from .exporter import export
         return export
     if name == "session":

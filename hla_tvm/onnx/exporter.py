@@ -21,9 +21,15 @@ import warnings
 
 import onnx
 import torch
+from torch.export import Dim
 
+from .. import validate
+from ..compiler import Decode, Fresh, Prefill, flat_state_spec, flatten_state
+from ..nn import hla_op  # defining it registers torch.ops.hla_tvm.hla
+from ..nn.ops import state_names
+from ..quant import scheme
 from ..runtime.paths import replacing
-from . import function, schema
+from . import function, quantized, schema
 
 FORMAT = "hla_tvm.onnx/1"
 META_FORMAT, META_ENTRY, META_STATE, META_CONFIG, META_DIGEST = (
@@ -41,9 +47,9 @@ def content_digest(proto):
 def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps, ridge,
                chunk_size):
     """torch.ops.hla_tvm.hla -> one hla_tvm::HLA node (chunk_size is a PyTorch-side detail)."""
+    # onnxscript and TVM (compiler.torch_export) are imported where used: the importer and ONNX
+    # Runtime sessions (onnx.ort_session) import this module
     import onnxscript
-
-    from ..nn.ops import state_names
 
     hla = onnxscript.values.Opset(function.DOMAIN, schema.VERSION)
     outs = hla.HLA(q, k, v, decay, *state, order=int(order), asymmetric=int(asymmetric),
@@ -55,8 +61,6 @@ def _translate(q, k, v, state, decay, order, asymmetric, masked, normalize, eps,
 
 def translation_table():
     """The custom_translation_table entry torch.onnx.export needs for hla_tvm models."""
-    from ..nn import hla_op  # defining it registers torch.ops.hla_tvm.hla
-
     return {hla_op._opoverload: _translate}
 
 
@@ -114,18 +118,12 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False, 
     Batch and length stay dynamic.
     quantize, group_size: as for `hla_tvm.compile`; the weights are stored so in standard ops
     (`onnx.quantized`: DequantizeLinear of INT8/INT4 initializers, opset 21)."""
-    from torch.export import Dim
-
-    from ..quant import scheme
-
     sch = scheme(quantize, group_size)
-    from ..compiler import Decode, Fresh, Prefill, flat_state_spec, flatten_state
 
     for attr in ("init_state", "forward"):
         if not callable(getattr(model, attr, None)):
             raise TypeError(f"model must be an HLALM-like torch module with forward(tokens, "
                             f"state) and init_state(batch); {type(model).__name__} has no {attr}")
-    from .. import validate
 
     path = validate.output_path("path", path)
     model = copy.deepcopy(model).eval().float()
@@ -150,8 +148,6 @@ def export(model, path, example_tokens=None, *, decode=False, from_state=False, 
     proto = program.model_proto
     _trim_unused_outputs(proto)
     if sch is not None:   # the graph's ops mean the same at opset 21 (types were added)
-        from . import quantized
-
         for o in proto.opset_import:
             if o.domain in ("", "ai.onnx"):
                 o.version = quantized.OPSET

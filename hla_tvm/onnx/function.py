@@ -243,6 +243,7 @@ def _chunk(b, op, st, Q, K, Va, w, masked, ridge):
 
 
 def _kv_state(order, asymmetric):
+    # ops imports torch: the package imports this module with onnx alone
     from .. import ops
 
     return set(ops.get(order, asymmetric).kv_state)

@@ -14,17 +14,34 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import json
 import os
 import re
+import sys
 import warnings
 
 import numpy as np
 import onnx
+from onnx import helper
 
+from .. import validate
+from ..compiler import (
+    MODULE_FORMAT,
+    build,
+    entries,
+    merge_entries,
+    records_folder,
+    resolve_model_target,
+    tokenizer_text,
+)
+from ..ops import get
+from ..progress import Stages
+from ..quant import from_meta, scheme
 from . import function
 from .exporter import META_CONFIG, META_DIGEST, META_ENTRY, META_STATE, content_digest
+from .quantized import dequantized
 
 _PRIVATE_OP = "hla_tvm::HLA"   # the op_type HLA nodes carry inside the importer
 
@@ -75,6 +92,8 @@ def _mark_hla_nodes(model):
 
 
 def _importer_class():
+    # TVM (and compiler.relax_hla, compiler.passes, which import it) is imported where a graph is
+    # converted: ONNX Runtime sessions (onnx.ort_session) import load_model from here
     from tvm.relax.frontend.onnx import onnx_frontend as fe
 
     class _Importer(fe.ONNXGraphImporter):
@@ -115,7 +134,6 @@ def _convert_hla(bb, inputs, attrs):
     from tvm import relax
 
     from ..compiler.relax_hla import emit_operator, zero_state
-    from ..ops import get
 
     node = attrs["tvm_custom"]["name"]
     inputs = list(inputs)   # the frontend's list pads out-of-range slices with None
@@ -248,8 +266,6 @@ def with_state_inputs(model):
     """A fresh-start prefill graph (tokens alone) as the prefill-from-state graph: each HLA node
     without state inputs takes them from new graph inputs, named after the graph outputs its new
     state feeds (`<name>.out` -> `<name>`), ordered as the metadata's state layout."""
-    from ..ops import get
-
     model = copy.deepcopy(model)
     g = model.graph
     outputs = {o.name: o for o in g.output}
@@ -283,8 +299,6 @@ def with_state_inputs(model):
 def _decode_from_prefill(model):
     """The prefill graph turned into the one-token step: tokens [B] -> Unsqueeze -> the graph ->
     logits [B, 1, V] -> Squeeze -> logits [B, V]."""
-    from onnx import helper
-
     model = copy.deepcopy(model)
     g = model.graph
     tok, logits = g.input[0], g.output[0]
@@ -311,11 +325,6 @@ def compile(path, *, target="llvm", out="model.so", schedules="auto", quantize=N
     group_size: as for `hla_tvm.compile` (the graph's float32 weight initializers are the
     weights quantized); a file exported with quantize= compiles under the scheme it records.
     tokenizer: as for `hla_tvm.compile`. Returns `out`."""
-    from .. import validate
-    from ..compiler import build, records_folder, resolve_model_target, tokenizer_text
-    from ..progress import Stages
-    from ..quant import from_meta, scheme
-
     sch = scheme(quantize, group_size)
     out = validate.output_path("out", out)
     validate.not_an_input("out", out, path)
@@ -360,8 +369,6 @@ def lm_module(path):
         # is destroyed, which would follow the one-line refusal
         with _stderr_silenced():
             err.__traceback__ = None
-            import gc
-
             gc.collect()
     raise refusal   # (outside the except block: TVM's error is not its context)
 
@@ -397,8 +404,6 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 @contextlib.contextmanager
 def _stderr_silenced():
     """The process's stderr (file descriptor 2: C++ logging too) to /dev/null in the block."""
-    import sys
-
     with contextlib.suppress(Exception):
         sys.stderr.flush()
     try:
@@ -416,9 +421,6 @@ def _stderr_silenced():
 
 
 def _lm_module(path, model):
-    from ..compiler import MODULE_FORMAT, entries, merge_entries
-    from .quantized import dequantized
-
     digest = content_digest(model)
     model, sch = dequantized(model)   # packed again by the compile, under the same scheme
     fresh = len(_graph_inputs(model)) == 1   # a fresh-start prefill graph: tokens alone

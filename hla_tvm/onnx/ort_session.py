@@ -2,6 +2,8 @@
 bodies)."""
 from __future__ import annotations
 
+import onnxruntime as ort
+
 from .function import check_functions
 from .importer import load_model
 
@@ -9,8 +11,6 @@ from .importer import load_model
 def session(model, *, threads=None):
     """An onnxruntime.InferenceSession for `model` (path or ModelProto), after checking that
     every hla_tvm::HLA node has its function body (ValueError naming the node otherwise)."""
-    import onnxruntime as ort
-
     proto = check_functions(load_model(model))
     opts = ort.SessionOptions()
     if threads:

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..quant.scheme import from_meta, quantize, values
+
 OPSET = 21   # DequantizeLinear with block_size, INT4 tensors
 META_QUANTIZE = "hla_tvm.quantize"
 
@@ -59,8 +61,6 @@ def quantize_initializers(model, sch):
     """In place: every float32 2-D initializer a MatMul reads as B, or a Gather as its table
     (axis 0), stored under the scheme `sch` and dequantized by a node at the top of the graph
     (its output keeps the initializer's name). Returns {"packed": count, "kept": [shapes]}."""
-    from ..quant.scheme import quantize, values
-
     graph = model.graph
     report = {"packed": 0, "kept": []}
     nodes = []
@@ -118,8 +118,6 @@ def quantize_initializers(model, sch):
 def recorded_scheme(model):
     """The Scheme an exported file records (META_QUANTIZE), or None; ValueError for a record
     that names no scheme."""
-    from ..quant.scheme import from_meta
-
     raw = next((p.value for p in model.metadata_props if p.key == META_QUANTIZE), None)
     if raw is None:
         return None

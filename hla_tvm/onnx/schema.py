@@ -41,6 +41,7 @@ def _tensor_type(elem_type, dims):
 def infer(ctx):
     """o [B, H, T, Dv]; state outputs as their inputs, or from q, k, v for a fresh sequence:
     key/value-only entries have Hkv heads, matrices are [Dk, Dk] (S) or [Dk, Dv]."""
+    # ops imports torch: the package imports this module with onnx alone
     from .. import ops
 
     def attr(name):

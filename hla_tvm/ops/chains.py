@@ -96,6 +96,8 @@ def target_options(chain, target, dtype):
         return gpu_options(chain)
     if dtype == "bfloat16" and chain.calls[0].kernel != "decode" and \
             FAMILIES[chain.family].bf16_products:
+        # pairs and tir import TVM: the chains import without it (backend.run_chain with the TVM
+        # runtime alone)
         from .common.pairs import available
 
         if available(target):

@@ -13,14 +13,15 @@ reads (`schedule.rules.cpu.matmul_tiles`). `panel`: the stored values'
 panel width (`compiler.passes.pack_weights.panel_width`), None for the [R, N] layout."""
 from __future__ import annotations
 
+from tvm import te, tirx
+
+from ..ops.common.pairs import bits
+from .panels import at
+
 
 def dequantized(sch, q, scale, k, n, group, panel=None):
     """W[k, n] as a TIR expression of the stored values `q` and scales `scale` (te tensors)
     under the scheme `sch` (None: `q` is W in float32), `group` input elements per scale."""
-    from tvm import tirx
-
-    from .panels import at
-
     if sch is None:
         return at(q, k, n, panel)
     if sch.name == "bf16":   # row pairs (`panels.pairs`): the low half for even k
@@ -36,10 +37,6 @@ def dequantized(sch, q, scale, k, n, group, panel=None):
 def _nibble(q, k, n, panel):
     """The int4 value u in 0..15 of row k (int32): the low (even k) or high (odd k) nibble of
     byte row k // 2."""
-    from tvm import tirx
-
-    from .panels import at
-
     byte = at(q, k // 2, n, panel).astype("int32")
     # the nibble picked by the row's parity: constant shifts keep the lanes int32 (a shift by
     # an index expression would be widened with the int64 indices)
@@ -50,10 +47,6 @@ def _in_quad(q, k, n, panel, int4):
     """The unsigned value of row k in the quads `q` (`panels.quads`, uint32 words), int32:
     int8 u = q + 128 in byte k % 4 of word k // 4; int4 u in byte k % 4 of word k // 8, the
     high nibble where k % 8 >= 4."""
-    from tvm import tirx
-
-    from .panels import at
-
     word = at(q, k // 8 if int4 else k // 4, n, panel)
     shift = tirx.Cast("uint32", k % 4) * tirx.const(8, "uint32")
     if int4:
@@ -65,8 +58,6 @@ def _in_quad(q, k, n, panel, int4):
 def stored_integer(sch, q, k, n, panel=None):
     """The stored integer of W[k, n] as float32: the int8 value q (W = q s), or the int4 value
     u in 0..15 (W = (u - 8) s); from either layout (int8 / uint8 rows, or uint32 quads)."""
-    from .panels import at
-
     if str(q.dtype) == "uint32":   # quads (`panels.quads`)
         u = _in_quad(q, k, n, panel, sch.name == "int4")
         return (u - 128 if sch.name == "int8" else u).astype("float32")
@@ -91,8 +82,6 @@ def group_matvec(x, q, scale, *, sch, k, n, group, panel=None):
     v the stored integers (`stored_integer`); int8: o = 0; int4: o = 8 and xsum[.., g] the sum
     of x over group g (GROUP_SUM). One multiply by a scale a group and column, where `matmul`
     has one a weight; equal to it up to float32 rounding (the sums are grouped)."""
-    from tvm import te, tirx
-
     groups = k // group
     lead = tuple(x.shape[:-1])
     r = te.reduce_axis((0, group), name="k")
@@ -121,8 +110,6 @@ def group_matvec(x, q, scale, *, sch, k, n, group, panel=None):
 def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
     """x [.., K] @ W [K, N] with W dequantized in the product (see the module docstring);
     `grouped` (CPUs): `group_matvec` where x has one row a batch entry and W is int8 or int4."""
-    from tvm import te, tirx
-
     rows = x.shape[-2] if len(x.shape) >= 2 else None
     if grouped and panel is not None and sch is not None and sch.name in ("int8", "int4") and \
             isinstance(rows, tirx.IntImm) and int(rows) == 1:
@@ -140,10 +127,6 @@ def matmul(x, q, scale, *, sch, k, n, group, panel=None, grouped=False):
 def round_bf16(value):
     """The float32 TIR expression `value` rounded to bfloat16 (nearest even), as float32
     (`scheme.activations`): the bits `ops.common.pairs.bits` gives, in the upper half."""
-    from tvm import tirx
-
-    from ..ops.common.pairs import bits
-
     return tirx.reinterpret("float32", bits(value) << tirx.const(16, "uint32"))
 
 
@@ -151,8 +134,6 @@ def take(q, scale, ids, *, sch, k, n, group, panel=None):
     """Rows of the table W^T [N, K] (an embedding table stored as the head's [K, N] weight) at
     `ids`: a negative id counts from the end (id + N, as PyTorch indexes a tensor), then ids
     are clamped to 0..N-1 as `compiler.passes.safe_take` clamps a plain lookup."""
-    from tvm import te, tirx
-
     def row(*i):
         idx = ids[i[:-1]].astype("int64")
         idx = tirx.Select(idx < 0, idx + tirx.const(n, "int64"), idx)

@@ -17,6 +17,10 @@ projection), weights cold as in a decode step (100 MB of copies in turn), fastes
 float32 812 -> 709 us."""
 from __future__ import annotations
 
+from tvm.script import tirx as T
+
+from ..ops.common.pairs import bits
+
 PREFETCH = 8192   # bytes of weights ahead of the step being summed that it asks the cache for
 STEP = 4          # weight rows (bf16: row pairs) a step
 
@@ -35,8 +39,6 @@ def prefetch_bytes(target):
 def prefetch(flat, index, last):
     """The TIR call asking the cache for element `index` of the flat buffer `flat` (clamped to
     its last element `last`: a prefetch past a weight's end reads nothing of use)."""
-    from tvm.script import tirx as T
-
     return T.call_llvm_intrin("void", "llvm.prefetch.p0",
                               T.address_of(flat[T.min(index, last)]),
                               T.uint32(0), T.uint32(3), T.uint32(1))   # read, keep, data
@@ -57,10 +59,6 @@ def matvec_func(sch, k, n, panel, lanes, name="matvec", ahead=PREFETCH):
     [N / P, K / 2, P]), out [1, N] float32) computing out as the module docstring says, asking
     the cache for the weights `ahead` bytes on (none where 0, `prefetch_bytes`); scheduled
     already."""
-    from tvm.script import tirx as T
-
-    from ..ops.common.pairs import bits
-
     assert fits(sch, k, n, panel, lanes), (sch, k, n, panel, lanes)
     bf16 = sch is not None
     p, lw = panel, lanes

@@ -9,12 +9,16 @@ A model compiled for CUDA gets its device code beside it (`ship`: model.so -> mo
 built here when nvcc is installed), so the GPU machine needs no CUDA toolkit to load it."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+
+from .paths import replacing
 
 HOOK = "tvm_callback_cuda_compile"
 
@@ -98,8 +102,6 @@ def store(folder, source, archs):
 def _write(path, data):
     """Write `data` and its sha256 (path + ".sha256"), each through a temporary file
     (`paths.replacing`)."""
-    from .paths import replacing
-
     for target, blob in ((path + ".sha256", hashlib.sha256(data).hexdigest().encode()),
                          (path, data)):
         with replacing(target) as f:
@@ -217,6 +219,8 @@ def serve(folder, arch, *, override=True):
     when missing. override=False keeps a hook of ours already registered and puts the shipped
     code in front of another one (TVM's own, where its compiler is installed: it builds the
     rest). Returns the hook in force."""
+    # tvm_ffi is imported where a module's device code is served: importing the runtime loads no
+    # TVM library
     import tvm_ffi
 
     current = tvm_ffi.get_global_func(HOOK, allow_missing=True)
@@ -252,8 +256,6 @@ def cudart_path():
     """The path of libcudart.so.13: from the `nvidia` pip packages on sys.path (PyTorch's CUDA
     builds bring them), else the CUDA toolkit's ($CUDA_HOME, /usr/local/cuda); None when
     neither has it (the system's library path may still)."""
-    import sys
-
     dirs = [os.path.join(d, sub) for d in sys.path if d
             for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib")]
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
@@ -267,8 +269,6 @@ def load_cuda_runtime(lib_dir):
     libtvm_runtime.so, which must be loaded already) into the process, with the CUDA runtime
     library it links to (libcudart.so.13: already loaded by PyTorch, else `cudart_path`'s, else
     the system's). OSError naming what is missing."""
-    import ctypes
-
     found = cudart_path()
     if found is not None:
         ctypes.CDLL(found, mode=ctypes.RTLD_GLOBAL)

@@ -149,6 +149,7 @@ class Eager:
         return None   # the model starts a fresh sequence from no state
 
     def prefill(self, tokens, state, logits="all"):
+        # torch only for an Eager (PyTorch) model: the runtime runs without torch
         import torch
 
         with torch.no_grad():

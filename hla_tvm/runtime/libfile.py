@@ -21,7 +21,9 @@ import hashlib
 import math
 import os
 import shutil
+import stat
 import struct
+import sys
 import tempfile
 import threading
 
@@ -60,8 +62,6 @@ def elf_machine(path):
 def host_machine_code():
     """The ELF e_machine code of this process's own executable (what a library must be built
     for to load here), or None where it cannot be read."""
-    import sys
-
     for exe in ("/proc/self/exe", os.path.realpath(sys.executable)):
         try:
             return elf_machine_code(exe)
@@ -109,6 +109,8 @@ def export(exe, path, tag: bytes = NO_TAG, cc=None, note: bytes | None = None):
     hold everything; removed after, and swept when a process was killed meanwhile), after a
     check that it has room for them: LLVM ends the process (exit 1, no exception) when it
     cannot write an object file. A full disk is an OSError (ENOSPC) naming `path`."""
+    # what writing a library (paths) and TVM need is imported where used: `import hla_tvm.runtime`
+    # stays light and loads no TVM library
     from .paths import finishing, replacing_path, temporary_folder
 
     path = os.fspath(path)
@@ -255,8 +257,6 @@ def trusted_folder(path, what="compiled module"):
     /tmp, only a file's owner may replace it: the file must then be this user's or root's).
     The checks of `check` cover damage, not a file written on purpose by someone who may write
     the folder; this one refuses the folders where anyone may."""
-    import stat
-
     real = os.path.realpath(path)
     st, folder = os.stat(real), os.path.dirname(real)
     dst = os.stat(folder)

@@ -13,6 +13,7 @@ several threads at once (each runs its own sequences)."""
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import threading
@@ -140,6 +141,9 @@ def _cuda_device(tvm, index):
     """TVM's CUDA device `index`, its runtime loaded (a runtime-only TVM does not load it) and
     a device-code hook registered for modules holding CUDA source (`device_code.serve`, unless
     TVM's own is there)."""
+    # TVM, tvm_ffi and what CUDA modules (cache, device_code), text (text) and saving a state
+    # (paths) need are imported where used: `import hla_tvm.runtime` stays light and loads no TVM
+    # library
     from . import cache
     from .device_code import load_cuda_runtime, serve
 
@@ -679,8 +683,6 @@ def _npz_entries(path, wanted, skip=()):
     compressed data would expand. An entry in `skip` that fails its check is left out instead.
     ValueError naming the file (and the entry) otherwise; FileNotFoundError where there is
     none."""
-    import math
-
     path = os.fspath(path)
     out = {}
     try:

@@ -82,6 +82,7 @@ def _lock(fd):
     """Hold an exclusive lock on the open file or folder `fd` (released when it is closed or
     the process dies): `sweep` leaves locked temporaries alone."""
     try:
+        # fcntl: POSIX only (no locks elsewhere)
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

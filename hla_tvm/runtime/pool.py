@@ -36,6 +36,8 @@ def import_tvm_runtime():
     if "tvm" in sys.modules:
         return sys.modules["tvm"]
     if "torch" in sys.modules:
+        # TVM's runtime is imported where first needed: `import hla_tvm.runtime` loads no TVM
+        # library
         import tvm
 
         return tvm

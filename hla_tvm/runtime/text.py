@@ -15,6 +15,9 @@ A tokenizer_config.json beside the tokenizer.json gives the module its chat temp
 from __future__ import annotations
 
 import json
+import os
+
+from .generate import text_decoder
 
 TOKENIZER = "tokenizer"   # the metadata key holding the tokenizer.json text
 CHAT = "chat"             # ... and {"template", "bos_token", "eos_token"} of its chat template
@@ -31,8 +34,6 @@ class ByteText:
         return list(text.encode("utf-8"))
 
     def decoder(self):
-        from .generate import text_decoder
-
         return text_decoder()
 
     def token_text(self, token):
@@ -48,6 +49,7 @@ class TokenizerText:
 
     def __init__(self, text):
         try:
+            # tokenizers (the serve extra) only for modules compiled with --tokenizer
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("this module was compiled with a tokenizer: its text needs the "
@@ -119,8 +121,6 @@ def read_chat(tokenizer_path):
     beside the tokenizer.json at `tokenizer_path` (its `chat_template`: a string, or the one
     named "default" of a list of {"name", "template"}), or None where there is none; ValueError
     naming the file where it is not such a file."""
-    import os
-
     path = os.path.join(os.path.dirname(os.path.abspath(tokenizer_path)),
                         "tokenizer_config.json")
     if not os.path.isfile(path):

@@ -22,6 +22,8 @@ def default_rules(target):
     """The default schedule of an HLA kernel for the target's kind, (func, target) -> func:
     `rules.cpu.scheduled` for llvm, `rules.cuda.scheduled` for cuda (each applies its
     `HLAKernels` rule, remembered per process)."""
+    # the rules and TVM are imported where used: build (and so backend, which runs with the TVM
+    # runtime alone) imports this package
     from .rules import cpu, cuda
 
     rules = {"llvm": cpu.scheduled, "cuda": cuda.scheduled}.get(target.kind.name)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import threading
 
-from tvm import tirx
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.tirx.analysis import undefined_vars
+from tvm_ffi import get_global_func
 
 DATA_PAR, COMM_REDUCE = 0, 2   # IterVar kinds: data parallel, commutative reduction
 # attribute of a function only a prefill runs (`compiler.passes.prefill_rows`): its symbolic extents
@@ -65,8 +68,6 @@ def root_block(sch):
     """The root block (SBlockRV) of the function `sch` works on, None where it has none: TVM's
     legalizer emits some kernels (cumsum, scatter_elements: `te.extern` bodies written with the
     IR builder) as one opaque block of loops with another name, which no rule can schedule."""
-    from tvm import s_tir
-
     try:
         return sch.get_sblock("root")
     except s_tir.ScheduleError:
@@ -96,9 +97,6 @@ def loop_iter_types(sch, block, loops):
     """For each of `loops`, the type (DATA_PAR, COMM_REDUCE, ...) of the one iterator of `block`
     whose binding uses that loop's variable; None when no iterator or several do. (An in-place
     update's unit reduction axis is bound to no loop, so it never shows up here.)"""
-    from tvm.tirx.analysis import undefined_vars
-    from tvm_ffi import get_global_func
-
     realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
     iters = realize.block.iter_vars
     types = []
@@ -171,9 +169,6 @@ def _indexes_writes(sch, block, loop, scratch):
     the block writes, `scratch` buffers aside: distinct iterations of the loop then write
     distinct elements. (The buffers a function allocates, `scratch`, are placed inside the loop
     when lowered, one per iteration.)"""
-    from tvm.tirx.analysis import undefined_vars
-    from tvm_ffi import get_global_func
-
     realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
     var = sch.get(loop).loop_var
     mine = [iv.var for iv, value in zip(realize.block.iter_vars, realize.iter_values)
@@ -213,8 +208,6 @@ def with_children(stmt, rebuild):
     """`stmt` with each statement directly under it replaced by rebuild(child): the statement
     kinds scheduled kernels nest (block realizations, blocks, loops, sequences); any other
     statement is returned as it is."""
-    from tvm import s_tir
-
     if isinstance(stmt, s_tir.SBlockRealize):
         return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, rebuild(stmt.block))
     if isinstance(stmt, s_tir.SBlock):
@@ -290,8 +283,6 @@ class ScheduledOnce:
         return named_as(func, lambda plain: self._get(plain, key, schedule))
 
     def _get(self, plain, key, schedule):
-        import tvm_ffi
-
         key = (tvm_ffi.structural_hash(plain), key)
         with self._lock:
             hits = self._done.get(key, ())

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import math
 
+import tvm
+from tvm import s_tir
+
+from .common import walk
+from .rules.cuda import scheduled
+from .shapes import specialize, tuning_kernels
+
 
 def split_host_device(func, target):
     """(executable, functions before, functions after SplitHostDevice) of `func` compiled by
@@ -12,8 +19,6 @@ def split_host_device(func, target):
     memory merged; after, its host function (attribute "tirx.is_entry_func", launching the
     kernels) and the device kernels. (The functions are taken as the pass sees them: later
     passes may rewrite the module that held them.)"""
-    import tvm
-
     seen = {}
 
     @tvm.instrument.pass_instrument
@@ -34,8 +39,6 @@ def split_host_device(func, target):
 
 def shared_bytes(func):
     """Bytes of shared memory the lowered `func` allocates (static and dynamic)."""
-    from .common import walk
-
     total = []
 
     def visit(node):
@@ -50,8 +53,6 @@ def shared_bytes(func):
 
 
 def tvm_bytes(dtype):
-    import tvm
-
     t = tvm.DataType(str(dtype))
     return t.bits * t.lanes // 8
 
@@ -61,10 +62,6 @@ def check(func, shapes, target, name="kernel"):
     `target` and verify it within the target's limits (`tvm.s_tir.analysis.verify_gpu_code`).
     Returns the shared memory bytes it uses; ValueError naming the kernel and the limits when it
     does not fit."""
-    from tvm import s_tir
-
-    from .shapes import specialize
-
     _, before, _ = split_host_device(specialize(func, shapes), target)
     lowered = before[0]
     limits = {"max_shared_memory_per_block": int(target.attrs["max_shared_memory_per_block"]),
@@ -98,9 +95,6 @@ def gpu_chunk(chain, dk, dv, target, *, chunk, group=1, **opts):
     """The chunk size `chain`'s kernels run with on a CUDA `target`: `chunk`, or the largest
     half of it whose kernels fit the architecture's shared memory (`check`;
     the chunked form's outputs do not depend on the chunk size). Remembered per process."""
-    from .rules.cuda import scheduled
-    from .shapes import tuning_kernels
-
     key = (chain.family, dk, dv, str(target), chunk, group, tuple(sorted(opts.items())))
     if key not in _FITS:
         def fits(n):

@@ -4,6 +4,11 @@
 (batch 1, 8 query heads, 4096 tokens; one for decode)."""
 from __future__ import annotations
 
+import tvm
+from tvm import tirx
+
+from ..ops import chains
+
 TUNE_SHAPE = {"batch": 1, "heads": 8, "seq": 4096}
 
 
@@ -11,8 +16,6 @@ def chain_shapes(chain, dk, dv, *, chunk=None, group=1, dtype):
     """[(call, argument shapes)] of every call of `chain` (`ops.chains`) at the tuning
     shape: batch 1, 8 query heads (or the next multiple of group), 4096 tokens (one for
     decode); what its kernels are specialized to for tuning and for finding their records."""
-    from ..ops import chains
-
     H = -(-TUNE_SHAPE["heads"] // group) * group
     T = 1 if chain.calls[0].kernel == "decode" else TUNE_SHAPE["seq"]
     return chains.argument_shapes(chain, TUNE_SHAPE["batch"], H, H // group, T, dk, dv,
@@ -22,9 +25,6 @@ def chain_shapes(chain, dk, dv, *, chunk=None, group=1, dtype):
 def specialize(func, shapes):
     """`func` with its symbolic batch, heads and lengths fixed by the argument shapes `shapes`
     [(shape, dtype)], one per parameter (as meta_schedule measures it)."""
-    import tvm
-    from tvm import tirx
-
     def dims(param, shape):
         return [tvm.tirx.IntImm("int64", int(v)) if isinstance(d, tvm.ir.expr.Var) else d
                 for d, v in zip(param.shape, shape)]
@@ -40,8 +40,6 @@ def specialize(func, shapes):
 def tuning_kernels(chain, dk, dv, *, chunk=None, group=1, dtype, **opts):
     """{function name: (PrimFunc, argument shapes)} of `chain`'s kernels, the shapes those of a
     call at the tuning shape (`chain_shapes`)."""
-    from ..ops import chains
-
     funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group, dtype=dtype, **opts)
     out = {}
     for call, shapes in chain_shapes(chain, dk, dv, chunk=chunk, group=group, dtype=dtype):

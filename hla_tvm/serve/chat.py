@@ -24,6 +24,8 @@ class TemplateError(ValueError):
 
 class ChatTemplate:
     def __init__(self, source=None, *, bos_token="", eos_token=""):
+        # jinja2 (the serve extra) is imported where a template is made: the package imports
+        # without it
         from jinja2 import TemplateError as JinjaError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -14,6 +14,8 @@ class Metrics:
     """Metrics of `engine` (an `engine.Engine`), registered in their own registry."""
 
     def __init__(self, engine):
+        # prometheus_client (the serve extra) is imported where used: the package imports without
+        # it
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = reg = CollectorRegistry()

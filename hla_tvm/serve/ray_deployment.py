@@ -14,6 +14,8 @@ here. Needs `ray[serve]` (`pip install 'hla_tvm[ray]'`)."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 
 def application(module, *, num_replicas=2, sessions=None, max_sessions=1000, threads=1,
@@ -23,6 +25,8 @@ def application(module, *, num_replicas=2, sessions=None, max_sessions=1000, thr
     `app.create_app`'s keyword arguments (max_streams, max_queue, api_key, max_prompt,
     prefill_piece, max_tokens, chat_template, prefix_cache_mb, ...), the others `hla-tvm
     serve`'s."""
+    # ray (the ray extra) is imported where used; build_app's imports run in each replica (the
+    # driver, `run`, loads no module)
     from ray import serve
 
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
@@ -65,9 +69,6 @@ def run(module, *, host="127.0.0.1", port=8000, num_replicas=2, **options):
     """Start a local Ray instance and Ray Serve's HTTP proxy on `host`:`port` serving
     `application(module, num_replicas=num_replicas, **options)`, until SIGTERM or Ctrl-C
     (`hla-tvm serve --replicas N`); Ray stops with it."""
-    import signal
-    import threading
-
     import ray
     from ray import serve
 

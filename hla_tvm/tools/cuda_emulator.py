@@ -25,6 +25,15 @@ import subprocess
 import tempfile
 import threading
 
+from ..ops import chains
+from ..runtime import cache
+from ..runtime.device_code import cuda_source
+from ..runtime.paths import replacing_path
+from ..schedule.common import walk
+from ..schedule.gpu_limits import split_host_device
+from ..schedule.rules.cuda import scheduled
+from ..schedule.shapes import specialize
+
 FORWARD, REVERSE, SHUFFLED = 0, 1, 2
 
 # the emulation layer compiled before the CUDA source (C++17)
@@ -191,10 +200,6 @@ def _spec(x):
 def _host_launches(func, target):
     """(CUDA source, [(kernel name, [argument index], dims)]) of the scheduled, specialized
     `func` compiled for `target`: the launches its host function makes, in order."""
-    from ..runtime.device_code import cuda_source
-    from ..schedule.common import walk
-    from ..schedule.gpu_limits import split_host_device
-
     exe, _, split = split_host_device(func, target)
     host = next(f for f in split if f.attrs is not None and "tirx.is_entry_func" in f.attrs)
     params = [p.name for p in host.params]
@@ -251,13 +256,9 @@ def translate(source):
 
 def _compile(cpp):
     """The loaded shared library of C++ source `cpp` (built once per source, cached)."""
-    from ..runtime import cache
-
     folder = cache.folder("emulator")
     path = os.path.join(folder, hashlib.sha256(cpp.encode()).hexdigest()[:24] + ".so")
     if not os.path.exists(path):
-        from ..runtime.paths import replacing_path
-
         with tempfile.TemporaryDirectory() as tmp, \
                 replacing_path(path, suffix=".so", executable=True) as tmp_lib:
             src = os.path.join(tmp, "kernel.cpp")
@@ -277,8 +278,6 @@ class Emulated:
     tensors of those shapes runs its launches (threads and blocks in the order `mode` gives)."""
 
     def __init__(self, func, shapes, target, name="kernel"):
-        from ..schedule.shapes import specialize
-
         self.name, self.shapes = name, [(tuple(int(d) for d in s), str(t)) for s, t in shapes]
         source, self.launches = _host_launches(specialize(func, shapes), target)
         self.lib = _compile(translate(source)[0])
@@ -325,9 +324,6 @@ def chain_functions(chain, dk, dv, target, *, chunk=None, group=1, mode=FORWARD,
     tensors: each call's kernel under the default CUDA schedule for `target`, emulated (threads
     and blocks in `mode`'s order, or in that of a `mode=` keyword to the call); opts: the
     kernels' (dtype, normalize, ...)."""
-    from ..ops import chains
-    from ..schedule.rules.cuda import scheduled
-
     funcs = chains.kernels(chain, dk, dv, chunk=chunk, group=group,
                            **{**opts, **chains.gpu_options(chain)})
     return [_ByShape(scheduled(funcs[name].with_attr("global_symbol", name)), name, target,

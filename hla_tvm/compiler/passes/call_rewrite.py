@@ -1,12 +1,12 @@
 """Rewriting the Relax calls of every function of a module, one call at a time."""
 from __future__ import annotations
 
+from tvm import relax
+
 
 def rewrite_calls(mod, rewrite):
     """`mod` with every call in its Relax functions passed through rewrite(call), arguments
     first: rewrite returns the call unchanged or the expression that replaces it."""
-    from tvm import relax
-
     @relax.expr_functor.mutator
     class _Rewrite(relax.PyExprMutator):
         def visit_call_(self, call):

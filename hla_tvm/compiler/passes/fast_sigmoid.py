@@ -10,12 +10,13 @@ measured against float64 `numpy.exp` (2026-12-06); a NaN stays NaN. Other dtypes
 legalization."""
 from __future__ import annotations
 
+import tvm
+from tvm import te, tirx, topi
+
 NAME = "fast_sigmoid"   # the PrimFunc's and the block's name
 
 
 def _compute(x):
-    from tvm import te, tirx, topi
-
     e = topi.fast_exp(topi.negative(x))
     # (fast_exp clamps its argument, which would turn a NaN into a number: NaN stays NaN)
     return te.compute(x.shape, lambda *i: tirx.Select(te.isnan(x[i]), x[i], 1.0 / (1.0 + e[i])),
@@ -25,8 +26,6 @@ def _compute(x):
 def legalize_sigmoid(bb, call):
     """`LegalizeOps`' function for relax.sigmoid: `_compute` for float32, TVM's own
     legalization otherwise."""
-    import tvm
-
     x = call.args[0]
     if str(getattr(x.ty, "dtype", "")) != "float32":
         return tvm.ir.Op.get("relax.sigmoid").get_attr("FLegalize")(bb, call)

@@ -6,19 +6,17 @@ so the product keeps x's leading axes and FuseOps can fuse it with the element-w
 (an activation, a residual add), which a reshape in between (an injective op) prevents."""
 from __future__ import annotations
 
+from tvm import relax, sym
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
 
 def _same_dims(a, b):
-    from tvm import sym
-
     ana = sym.Analyzer()
     return len(a) == len(b) and all(ana.can_prove_equal(x, y) for x, y in zip(a, b))
 
 
 def unflatten_matmuls(mod):
     """`mod` with every flattened projection in its Relax functions rewritten as above."""
-    from tvm import relax
-    from tvm.relax.dpl import is_op, rewrite_call, wildcard
-
     x, w = wildcard(), wildcard()
     inner = is_op("relax.reshape")(x, wildcard())
     outer = is_op("relax.reshape")(is_op("relax.matmul")(inner, w), wildcard())

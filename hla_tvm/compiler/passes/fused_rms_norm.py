@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+
 
 def _scalar(expr, value=None):
     """The float of a scalar Relax constant `expr` (equal to `value` when given), else None."""
-    import tvm
-
     if not isinstance(expr, tvm.ir.expr.Constant):
         return None
     array = expr.value.numpy()
@@ -30,10 +32,6 @@ def fused_rms_norm(mod):
     exponent 0-d constants) replaced by rms_norm(x, w, [-1], eps) in every Relax function;
     anything else is left as it is. (TVM's rms_norm computes in float32: other dtypes keep
     their form.)"""
-    import tvm
-    from tvm import relax
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
-
     x, w, two, eps = wildcard(), is_const(), is_const(), is_const()
     mean = is_op("relax.mean")(is_op("relax.power")(x, two))
     scale = is_op("relax.rsqrt")(is_op("relax.add")(mean, eps))

@@ -8,15 +8,15 @@ FInferType attribute registered to op: prim.if_then_else"). Slices it cannot pro
 keep the clamp (and compile, or fail, as before)."""
 from __future__ import annotations
 
+import tvm
+from tvm import relax
+
+from .call_rewrite import rewrite_calls
+
 
 def inbound_slices(mod):
     """`mod` with every strided_slice whose bounds the analyzer proves inbound marked
     assume_inbound (the same slice: no clamp changes anything)."""
-    import tvm
-    from tvm import relax
-
-    from .call_rewrite import rewrite_calls
-
     slice_op = tvm.ir.Op.get("relax.strided_slice")
     analyzer = tvm.sym.Analyzer()
     bound = set()

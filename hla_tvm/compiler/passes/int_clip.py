@@ -9,15 +9,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import tvm
+from tvm import relax
+
+from .call_rewrite import rewrite_calls
 
 
 def int_clip(mod):
     """`mod` with clip(x, -inf, hi) / clip(x, lo, inf) of integer x bounded by x's dtype."""
-    import tvm
-    from tvm import relax
-
-    from .call_rewrite import rewrite_calls
-
     clip_op = tvm.ir.Op.get("relax.clip")
 
     def bound(value, dtype, end):

@@ -6,18 +6,18 @@ pow(x, y) where y >= 3"): 21 lines for one GPT-2 model. Products give x^c for ne
 well and cost less than `pow`."""
 from __future__ import annotations
 
+import numpy as np
+import tvm
+from tvm import relax
+
+from .call_rewrite import rewrite_calls
+
 POWERS = (2, 3, 4)
 
 
 def int_power(mod):
     """`mod` with power(x, c), c a scalar constant equal to a whole number in POWERS, as
     products of x (x * x, x * x * x, (x * x) * (x * x))."""
-    import numpy as np
-    import tvm
-    from tvm import relax
-
-    from .call_rewrite import rewrite_calls
-
     power_op = tvm.ir.Op.get("relax.power")
 
     def exponent(expr):

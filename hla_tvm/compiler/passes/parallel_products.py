@@ -15,6 +15,10 @@ into the element-wise work that reads them (a scale, SiLU, a transpose)."""
 from __future__ import annotations
 
 import numpy as np
+import tvm
+from tvm import relax
+
+from .pack_weights import weight_matrix, weight_operand
 
 
 def parallel_products(mod, *, min_weights=2):
@@ -22,11 +26,6 @@ def parallel_products(mod, *, min_weights=2):
     more constant float32 [K, N] weights (directly or through a 2-d transpose) made one product
     of the concatenated weight and slices of its result. Everything else is left as it is; the
     caller's module is unchanged."""
-    import tvm
-    from tvm import relax
-
-    from .pack_weights import weight_matrix, weight_operand
-
     matmul_op = tvm.ir.Op.get("relax.matmul")
 
     def static_k(x):

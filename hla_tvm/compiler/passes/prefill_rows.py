@@ -7,6 +7,9 @@ the prompt, 512 x 3,072 elements a layer for a 512-token prompt of the 120 M mod
 `schedule.rules.cpu.ParallelFallback` runs serially where it cannot see that size."""
 from __future__ import annotations
 
+import tvm
+from tvm import relax
+
 from ...schedule.common import MANY_ROWS
 from ...schedule.tuning.records import SHAPES_ATTR
 
@@ -16,9 +19,6 @@ PREFILL_ENTRIES = ("prefill",)
 def mark_prefill_kernels(mod, prefill=PREFILL_ENTRIES):
     """`mod` (legalized) with MANY_ROWS set on every PrimFunc but the HLA kernels that the
     Relax functions named in `prefill` call and no other Relax function does."""
-    import tvm
-    from tvm import relax
-
     calls = tuple(tvm.ir.Op.get(f"relax.{n}") for n in ("call_tir", "call_tir_inplace"))
     callers = {}   # PrimFunc name -> names of the Relax functions that call it
 

@@ -19,15 +19,17 @@ the axis' end (index + axis length).
 returned the first row."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
 
 def safe_take(mod, param="tokens"):
     """`mod` with take(..., mode="fast") in every function replaced as the module docstring
     says: "clip" for the lookups of the token ids (the parameter `param` of a function, through
     the operators of _ID_PRESERVING), constant indices wrapped then "clip", "wrap" otherwise."""
-    import numpy as np
-    import tvm
-    from tvm import relax
-
     take_op = tvm.ir.Op.get("relax.take")
     preserving = [tvm.ir.Op.get(name) for name in _ID_PRESERVING]
 
@@ -73,10 +75,6 @@ def safe_take(mod, param="tokens"):
 def _axis_length(data, axis):
     """The static length of `data`'s axis `axis` (None: the flattened tensor), or None where it
     is symbolic or unknown."""
-    import math
-
-    import tvm
-
     shape = getattr(data.ty, "shape", None)
     if shape is None or not hasattr(shape, "__len__"):
         return None
@@ -97,9 +95,6 @@ def token_rows(mod, param="tokens"):
     named `param`): the fewest rows among the tables the ids index (`take` along axis 0 of a
     table with a static row count, the ids reaching it through reshapes only), or None when no
     such lookup is found. A lookup with other indices (positions) does not count."""
-    import tvm
-    from tvm import relax
-
     preserving = [tvm.ir.Op.get(name) for name in _ID_PRESERVING]
     take_op = tvm.ir.Op.get("relax.take")
     rows = []

@@ -16,12 +16,14 @@ Without them a decode step runs the q and k scales as two kernels a layer of the
 Prefill's transposes move T and stay transposes."""
 from __future__ import annotations
 
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+
 _SCALES = ("relax.multiply", "relax.divide")
 
 
 def _static_one(dim):
-    import tvm
-
     return isinstance(dim, tvm.tirx.IntImm) and int(dim) == 1
 
 
@@ -37,9 +39,6 @@ def scale_epilogue(mod):
     reshape, then each product of a reshape and a 0-d constant (multiply, divide, either
     operand order) made the reshape of the product of its input and the constant. Everything
     else is left as it is; the caller's module is unchanged."""
-    from tvm import relax
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
-
     x = wildcard()
     transpose = is_op("relax.permute_dims")(x)
 

@@ -10,6 +10,8 @@ changes it, a match_cast gives the value the simplified shape (T - 1), from whic
 the function infers equal shapes again."""
 from __future__ import annotations
 
+from tvm import relax, sym
+
 
 def _has_min_max(shape):
     """Whether a dimension of `shape` (PrimExprs) holds a min or a max."""
@@ -19,8 +21,6 @@ def _has_min_max(shape):
 def tighten_shapes(mod, ranges):
     """`mod` with every function's min/max shapes simplified under `ranges` ({symbolic
     variable name: (least, most or None)}; the variables of the functions' parameters)."""
-    from tvm import relax, sym
-
     @relax.expr_functor.mutator
     class _Tighten(relax.PyExprMutator):
         def __init__(self, mod, analyzer):
@@ -62,10 +62,10 @@ def tighten_shapes(mod, ranges):
 def export_ranges(ep):
     """{symbol name: (least, most or None)} of an ExportedProgram's range constraints."""
     out = {}
-    for sym, vr in ep.range_constraints.items():
+    for name, vr in ep.range_constraints.items():
         least, most = _int(vr.lower), _int(vr.upper)
         if least is not None:
-            out[str(sym)] = (least, most if most is None or most < 2 ** 62 else None)
+            out[str(name)] = (least, most if most is None or most < 2 ** 62 else None)
     return out
 
 

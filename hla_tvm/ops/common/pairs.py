@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 from tvm.script import tirx as T
+from tvm.target import codegen
 
 # the block attribute that marks a pair product (`schedule.steps.cpu.chunk_gemm` tensorizes it)
 PAIR_PRODUCT = "hla_tvm.bf16_pairs"
@@ -33,8 +34,6 @@ def available(target):
 @functools.lru_cache(maxsize=64)
 def _has_feature(target):
     """(LLVM's answer, 85 us a query: remembered per Target object)"""
-    from tvm.target import codegen
-
     try:
         return bool(codegen.target_has_features(FEATURE, target))
     except Exception:  # noqa: BLE001 - a target LLVM cannot query

@@ -5,6 +5,7 @@ under one (batch, head, chunk) loop so that the default schedule can run it in p
 from __future__ import annotations
 
 import tvm
+from tvm import te
 from tvm.script import tirx as T
 
 from .dtypes import IO_DTYPES, accum_dtype  # noqa: F401  (the kernel modules take them here)
@@ -332,8 +333,6 @@ def zero_state(tails, dtype="float32"):
     """PrimFunc (q [B, H, T, D], *out): out[i] [B, H, *tails[i]] = 0. It takes q so that
     constant folding cannot turn the zeros into module constants (the kernels update state in
     place, and an in-place update of a constant would leak into the next call)."""
-    from tvm import te
-
     q = te.placeholder([te.var(n, "int64") for n in ("B", "H", "L", "D")], dtype, name="q")
     # batch and heads of each output are its own (key/value-only entries have fewer heads)
     outs = [te.compute((te.var(f"B{j}", "int64"), te.var(f"H{j}", "int64"),

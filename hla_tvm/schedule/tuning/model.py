@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 
+from tvm import s_tir, tirx
+
+from .. import TUNED, default_rules
+from ..rules.cpu import matmul_tiles
 from . import records
 
 
@@ -28,10 +32,6 @@ def matmuls(mod, target):
     """{name: (PrimFunc marked `matmul_tiles.MODEL_MATMUL`, argument shapes)} of the legalized
     model functions `matmul_tiles` schedules: the projections, at batch 1 and TUNE_SHAPE's
     length (a symbolic leading dimension is the batch, any other the length)."""
-    from tvm import s_tir, tirx
-
-    from ..rules.cpu import matmul_tiles
-
     lanes = matmul_tiles.vector_lanes(target)
     out = {}
     for gv, func in mod.functions.items():
@@ -53,8 +53,6 @@ def matmuls(mod, target):
 def _tuning_shapes(func):
     """[(shape, dtype)] of func's buffer parameters with a symbolic first dimension as batch 1
     and any other symbolic dimension as TUNE_SHAPE's length; None for other shapes."""
-    from tvm import tirx
-
     batch = {str(p.shape[0]) for p in func.params
              if getattr(p, "shape", None) and isinstance(p.shape[0], tirx.Var)}
     shapes = []
@@ -87,8 +85,6 @@ def schedule_model(mod, target, path=None):
     beat that):
     HLA kernels without a record get their default rules here, projections later (the Relax
     pipeline's `MatmulTiles`)."""
-    from .. import TUNED, default_rules
-
     projections = matmuls(mod, target) if path is not None else {}
     found = {**kernels(mod), **projections}
     if not found:

@@ -15,13 +15,29 @@ schedules= on the API and the CLI: "auto" (the records for the target where they
 the default schedules), "default", or the path of a records folder."""
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import lzma
 import os
+import signal
+import subprocess
+import sys
 import threading
 import warnings
 
-from .. import register_intrinsics
+import tvm
+import tvm_ffi
+from tvm import s_tir
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.schedule import InstructionKind
+from tvm_ffi import core
+
+from ...runtime import cache
+from ...runtime.paths import replacing
+from .. import TUNED, register_intrinsics
+from ..common import named_as
 from ..shapes import TUNE_SHAPE, chain_shapes, specialize, tuning_kernels  # noqa: F401  (shapes.py)
 
 SHAPES_ATTR = "hla_tvm.tune_shapes"   # a model's kernel: its argument shapes at TUNE_SHAPE (JSON)
@@ -42,8 +58,6 @@ def stored(path, name):
 def _contents(file):
     """The bytes of a records file, decompressed where it is packed; ValueError naming it when
     its compression is damaged."""
-    import lzma
-
     with open(file, "rb") as f:
         data = f.read()
     if not file.endswith(PACKED):
@@ -58,10 +72,6 @@ def _contents(file):
 def pack(path):
     """Store the records folder `path`'s files xz-compressed (`<name>.xz`, the plain ones
     removed), as the shipped folders keep them."""
-    import lzma
-
-    from ...runtime.paths import replacing
-
     for name in FILES:
         plain = os.path.join(path, name)
         if os.path.isfile(plain):
@@ -76,8 +86,6 @@ def unpack(path):
     """Write the plain file of each of FILES that `path` holds packed only (meta_schedule's
     JSONDatabase, which `hla-tvm tune` adds its records to, reads plain files): the folder's
     records are kept when tuning writes into it."""
-    from ...runtime.paths import replacing
-
     for name in FILES:
         plain = os.path.join(path, name)
         if not os.path.isfile(plain) and os.path.isfile(plain + PACKED):
@@ -98,8 +106,6 @@ def target_folder(target):
 
 def user_root():
     """~/.cache/hla_tvm/schedules (under $HLA_TVM_CACHE_DIR when set)."""
-    from ...runtime import cache
-
     return os.path.join(cache.root(), cache.RECORDS)
 
 
@@ -231,8 +237,6 @@ def _parsed(files, data):
 def _database(files, workloads, records, at=None):
     """A meta_schedule MemoryDatabase of the checked `workloads` and `records` (read from
     `files`); at(file, line) is called before each line is given to meta_schedule."""
-    from tvm.s_tir import meta_schedule as ms
-
     register_intrinsics()   # traces that tensorize name them
     db = ms.database.MemoryDatabase()
 
@@ -274,11 +278,6 @@ def _read_apart(files, data):
     """Read the records files `files` (contents `data`) as `load` does in a child process,
     once per content (`_VERDICTS`, the cache's CHECKED folder): ValueError naming the file and
     line when meta_schedule refuses a line there or crashes on it."""
-    import sys
-
-    import tvm
-    import tvm_ffi
-
     h = hashlib.sha256()
     for part in (tvm.__version__, tvm_ffi.__version__, sys.version, *files, *data):
         part = part.encode() if isinstance(part, str) else part
@@ -293,8 +292,6 @@ def _read_apart(files, data):
             _VERDICTS[key] = verdict
         if verdict is None and marker:
             try:
-                from ...runtime.paths import replacing
-
                 with replacing(marker):
                     pass
             except OSError:   # (a read-only cache: checked again by the next process)
@@ -306,8 +303,6 @@ def _read_apart(files, data):
 def _marker(key):
     """The file in the cache that records that the records of digest `key` were read without
     fault, or None where the cache folder cannot be used."""
-    from ...runtime import cache
-
     try:
         return os.path.join(cache.folder(CHECKED), key)
     except (OSError, ValueError):
@@ -317,10 +312,6 @@ def _marker(key):
 def _read_in_child(files, data):
     """None when a child process reads the records (`_child`) without fault, else the error
     (one line naming the file and line)."""
-    import signal
-    import subprocess
-    import sys
-
     here = os.path.dirname(os.path.abspath(__file__))   # hla_tvm/schedule/tuning
     top = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     # (this very package, wherever it was imported from; its folder off the path once found)
@@ -365,8 +356,6 @@ def _child():
     """The child process of `_read_in_child`: the files' names and contents from standard
     input, read as `load` reads them; "at FILE:LINE" before each line goes to meta_schedule,
     then "ok" (exit 0), or "error MESSAGE" (exit 2) when a line is refused."""
-    import sys
-
     head = json.loads(sys.stdin.buffer.readline())
     files, data = head["files"], [sys.stdin.buffer.read(n) for n in head["sizes"]]
 
@@ -431,9 +420,6 @@ def _json(text):
 
 
 def _check_workload(x):
-    import base64
-    import binascii
-
     if not (isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x)
             and x[0].isdigit()):
         return "a workload is [structural hash, module]"
@@ -464,9 +450,6 @@ def _check_graph(g, what):
     """None when `g` is a TVM object graph (`tvm.ir.save_json`'s form) that TVM's reader
     (tvm_ffi's FromJSONGraph) can follow: nodes of known IR types, each reference a node of
     the graph, no node containing itself; else the reason."""
-    import tvm  # noqa: F401  (registers the IR's types)
-    from tvm_ffi import core
-
     if not hasattr(core, "_lookup_or_register_type_info_from_type_key"):
         return None   # (another tvm_ffi: the child process's reading stands alone)
     if not (isinstance(g, dict) and type(g.get("root_index")) is int
@@ -560,8 +543,6 @@ def _check_trace(trace):
     inputs and attributes (but a TransformLayout's pad value), an index map (a string "{...}":
     a TVM object graph) that `_check_graph` passes, its outputs names; a decision [index of
     an instruction, value]."""
-    from tvm.s_tir.schedule import InstructionKind
-
     if not (len(trace) == 2 and all(isinstance(t, list) for t in trace)):
         return "a trace is [instructions, decisions]"
     insts, decisions = trace
@@ -617,8 +598,6 @@ def workload(func, shapes):
     """The meta_schedule workload module of a kernel: specialized, its function named main and
     marked noalias, as tune_tir normalizes a task (records are found by structural hash), without
 the Relax fusion attribute a model's copy carries."""
-    import tvm
-
     func = specialize(func, shapes).with_attr("global_symbol", "main")
     if func.attrs and "op_pattern" in func.attrs:   # set on a model's functions by legalize
         func = func.without_attr("op_pattern")
@@ -632,8 +611,6 @@ def pick(kernels, db, target, *, quiet=(), path=None):
     (but those in `quiet`) left to the default schedules when db, read from the folder `path`,
     holds records, unless the folder is the package's own (shipped records cover the shapes
     they were tuned at; any other shape's default schedule is what the user asked for)."""
-    from .. import TUNED
-
     out, missing = {}, []
     for name, (func, shapes) in kernels.items():
         t = None if db is None else tuned(func, shapes, db, target)
@@ -673,11 +650,6 @@ def replay(func, trace):
     tile that divides the tuning length evenly meets a symbolic one), so the tuner compares
     these. `func` itself is left as it was (`common.named_as`). Raises what the trace's replay
     raises where it does not fit."""
-    import tvm
-    from tvm import s_tir
-
-    from ..common import named_as
-
     def apply(plain):
         sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
         trace.apply_to_schedule(sch, remove_postproc=False)

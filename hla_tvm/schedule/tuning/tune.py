@@ -13,11 +13,30 @@ timing noise alone never replaces a default)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
+import random
+import socket
 import sys
 import time
+
+import cloudpickle
+import torch
+import tvm
+from tqdm import tqdm
+from tvm import rpc, s_tir
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from ...ops import chains
+from ...runtime.pool import size_once
+from ...target import cross_compiler
+from ...validate import chunk_size
+from ..rules import cpu
+from . import records
+from .records import tuning_kernels
 
 MARGIN = 0.03   # a tuned schedule is kept only when this much faster than the default (noise)
 CALLS = 21      # a kernel's time: the fastest of this many calls (the search's and the final)
@@ -27,6 +46,9 @@ _MS_LOGGER = "tvm.s_tir.meta_schedule"   # the parent of all of meta_schedule's 
 def _build(mod, target, _params):
     """meta_schedule's build step without its import of every tensor intrinsic (which costs
     40 s at each start of the builder's worker pool)."""
+    # _build, _export, _size_worker_threads, _alloc_args and _fastest_call run in meta_schedule's
+    # worker processes, which get this module pickled by value (`_pickle_build_by_value`): they
+    # import there what they use
     from tvm.driver import build
 
     return build(mod, target=target)
@@ -65,11 +87,6 @@ def rpc_runner(tracker, key, timeout=60):
     """meta_schedule's RPC runner measuring on the servers registered with the TVM tracker at
     `tracker` ("HOST:PORT") under `key`, checked first: ValueError when the tracker cannot be
     reached or no server holds that key."""
-    import socket
-
-    from tvm import rpc
-    from tvm.s_tir import meta_schedule as ms
-
     host, sep, port = str(tracker).rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"rpc tracker must be HOST:PORT, got {tracker!r}")
@@ -148,8 +165,6 @@ def _fastest_call(rt_mod, device, config, repeated_args):
 
 def evaluator_config():
     """The local runner's timing: `CALLS` timings of one call each (with `_fastest_call`)."""
-    from tvm.s_tir import meta_schedule as ms
-
     return ms.runner.EvaluatorConfig(number=1, repeat=CALLS, min_repeat_ms=0)
 
 
@@ -157,8 +172,6 @@ def local_runner():
     """meta_schedule's local runner as `tune` measures with it: a worker process with one TVM
     thread per physical core, arguments filled as `_time` fills them, and a candidate's time the
     fastest of `CALLS` calls (`_alloc_args`, `_fastest_call`)."""
-    from tvm.s_tir import meta_schedule as ms
-
     _pickle_build_by_value()
     return ms.runner.LocalRunner(timeout_sec=120, evaluator_config=evaluator_config(),
                                  f_alloc_argument=_alloc_args, f_run_evaluator=_fastest_call,
@@ -167,18 +180,12 @@ def local_runner():
 
 def _pickle_build_by_value():
     """Pickle this module's functions by value into meta_schedule's worker processes."""
-    import cloudpickle
-
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def space(target):
     """The design space: the default rules with sampled register tiles, searched by mutating
     one tile decision at a time (`mutator`)."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from ..rules import cpu
-
     return ms.space_generator.ScheduleFn(
         lambda sch: cpu.schedule(sch, "main", target, tunable=True),
         sch_rules=[], postprocs=[], mutator_probs={mutator(): 1.0})
@@ -188,8 +195,6 @@ def _strategy(trials):
     """meta_schedule's evolutionary search with its population sized to the trials (its
     default, 512 schedules sampled and evolved through this space's Python rules per round,
     took over a minute per kernel on 2 cores, whatever the trial count)."""
-    from tvm.s_tir import meta_schedule as ms
-
     population = min(256, max(16, 4 * trials))
     return ms.search_strategy.EvolutionarySearch(
         population_size=population, init_min_unmeasured=max(8, population // 8))
@@ -208,9 +213,6 @@ def _capped(strategy, budget):
     task scheduler compares the trials sent with `max_trials_global` only before it asks a task
     for a batch, so its last batch (up to `num_trials_per_iter`) went past it (8 trials asked,
     14 measured). Where the budget is spent the strategy has no more candidates."""
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-
     @derived_object
     class Capped(ms.search_strategy.PySearchStrategy):
         def __init__(self):
@@ -250,11 +252,6 @@ def mutator(seed=0):
     """A meta_schedule mutator that moves one categorical decision of a trace (a register
     tile's rows or columns) to another of its candidates. (meta_schedule's own mutators change
     tile splits, unrolling and parallelism only, none of which this space samples.)"""
-    import random
-
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-
     @derived_object
     class MutateCategorical(ms.mutator.PyMutator):
         def __init__(self):
@@ -283,10 +280,6 @@ def default_schedule(wl, target):
     """The Schedule of workload `wl` at the first point of its design space: the default rules
     with their default tiles, as the kernel runs untuned (a projection's tile chosen for any
     prompt length, not for the tuning length)."""
-    from tvm import s_tir
-
-    from ..rules import cpu
-
     sch = s_tir.Schedule(wl)
     cpu.schedule(sch, "main", target, tunable=True)
     return sch
@@ -296,8 +289,6 @@ def _seed_defaults(db, workloads, target, runner_secs):
     """Commit to the search database `db` each kernel's default schedule (`default_schedule`)
     with its run times as the runner measures them, where the database holds no trial of that
     kernel yet: the evolutionary search then starts from the default schedule and mutates it."""
-    from tvm.s_tir import meta_schedule as ms
-
     todo = []
     for wl in workloads:
         if not (db.has_workload(wl) and db.get_top_k(db.commit_workload(wl), 1)):
@@ -319,9 +310,6 @@ def _progress_callback(bar, names, best, counts):
     trials of each kernel in `counts` and shows in `best` and on the bar each kernel's fastest
     trial so far as meta_schedule's runner measured it (the least of its run times, in its
     worker process or on the RPC device: the final comparison times the kernels anew)."""
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-
     @derived_object
     class Progress(ms.measure_callback.PyMeasureCallback):
         def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
@@ -385,11 +373,6 @@ def _time(funcs, shapes, target, repeat=CALLS):
     """[seconds] of each scheduled PrimFunc in `funcs` (variants of one kernel) on inputs of
     `shapes`: the fastest of `repeat` calls each, the variants called in turn so that a busy
     spell on a shared machine slows them alike (and the minimum, as noise only ever adds)."""
-    import torch
-    import tvm
-
-    from ...runtime.pool import size_once
-
     size_once()
     fns = [tvm.compile(tvm.IRModule({"main": f}), target=target)["main"] for f in funcs]
     dtypes = {"float32": torch.float32, "float64": torch.float64,
@@ -412,9 +395,6 @@ def _runner_secs(funcs, target, builder, runner, args_info=None):
     """[run seconds as meta_schedule's `runner` measures them, or None where the build or the
     run failed] of each scheduled PrimFunc in `funcs`, built by `builder`, called on arguments
     made from `args_info` (meta_schedule ArgInfos; None: each function's own static shapes)."""
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
     if not funcs:
         return []
     built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target)
@@ -446,15 +426,6 @@ def tune(kernels, target, trials, out, *, runner=None, progress=True, log=print)
     measured, which gets no record; trials: the candidates the search measured for it; default_s
     and tuned_s as the final comparison timed them, which `log` says). Ctrl-C stops the search
     and keeps what it found."""
-    import functools
-
-    import tvm
-    from tqdm import tqdm
-    from tvm.s_tir import meta_schedule as ms
-
-    from ...target import cross_compiler
-    from . import records
-
     _import_tensor_intrinsics()
     builder = ms.builder.LocalBuilder(
         f_build=_build, f_export=functools.partial(_export, cross_compiler(target)),
@@ -566,10 +537,6 @@ def operator_kernels(op, *, decayed, dk, dv, chunk, group=1, dtype, target=None,
     """`tuning_kernels` of operator `op`'s prefill and decode chains (an `ops.Operator`;
     opts: its `options`, dtype a torch dtype) as they run on `target` (a tvm Target; None: the
     kernels without target options, `chains.target_options`)."""
-    from ...ops import chains
-    from ...validate import chunk_size
-    from .records import tuning_kernels
-
     chunk = chunk_size(chunk, name="chunk", instead="a larger chunk's records could serve no "
                        "call")
     kw = chains.kernel_options(dtype, **opts)

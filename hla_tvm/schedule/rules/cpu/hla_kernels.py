@@ -10,10 +10,12 @@
 tunable=True makes the tile shapes sampled decisions whose first point is this default)."""
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
 from ....ops.common import pairs
+from ....target import resolve
 from . import matmul_tiles
 from ...steps.cpu.chunk_gemm import chunk_gemm
 from ...steps.cpu.parallel_outer import parallel_outer
@@ -22,10 +24,6 @@ from ...steps.cpu.vectorize_inner import vectorize_inner
 
 def _target(target):
     """`target`, the current target or the host's."""
-    import tvm
-
-    from ....target import resolve
-
     return target or tvm.target.Target.current(allow_none=True) or resolve(None)
 
 
@@ -59,6 +57,4 @@ class HLAKernels(dl.ScheduleRule):
     """The default CPU schedule of an HLA kernel (`schedule`), as a dlight rule."""
 
     def apply(self, func, target, tunable):
-        import tvm
-
         return schedule(s_tir.Schedule(tvm.IRModule({"main": func})), "main", target, tunable)

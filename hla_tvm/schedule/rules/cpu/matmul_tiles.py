@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
+from tvm.target import codegen
 
+from ....quant.kernels import DEQUANTIZE
 from ...common import (
     COMM_REDUCE,
     DATA_PAR,
@@ -88,8 +90,6 @@ def _column_tile(n, choices):
 
 def vector_lanes(target):
     """float32 lanes of the target's widest vector unit (16 AVX-512, 8 AVX2, 4 SSE/NEON)."""
-    from tvm.target import codegen
-
     for feature, lanes in (("avx512f", 16), ("avx2", 8), ("avx", 8)):
         try:
             if codegen.target_has_features(feature, target):
@@ -210,8 +210,6 @@ def schedule(sch, lanes, tunable=False, rows=None, cols=None):
 
 def _unpacks(block):
     """Whether `block` is a weight's dequantization (`quant.kernels.DEQUANTIZE`)."""
-    from ....quant.kernels import DEQUANTIZE
-
     return block.name_hint == DEQUANTIZE and \
         any(str(r.source.dtype) != "float32" for r in block.reads)
 

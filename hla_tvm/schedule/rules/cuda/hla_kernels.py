@@ -12,6 +12,7 @@ The last two rewrite the scheduled function (write-back masks, barriers): `apply
 schedule of the rewritten function, without a trace (CUDA kernels are not tuned)."""
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir
 from tvm.s_tir import dlight as dl
 
@@ -30,8 +31,6 @@ CHUNK_THREADS = 256
 
 def schedule(plain, lanes=True, tiles=TILES, chunk_threads=CHUNK_THREADS):
     """The function `plain` (named "main") with the steps above applied."""
-    import tvm
-
     sch = s_tir.Schedule(tvm.IRModule({"main": plain}))
     if lanes and scan_lanes(sch, THREADS):
         return sch.mod["main"]

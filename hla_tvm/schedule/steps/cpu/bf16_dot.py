@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 
+from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from ....ops.common.pairs import hi, lo
@@ -82,8 +83,6 @@ _LOCK = threading.Lock()
 def register():
     """Register the tensor intrinsic, once a process: `tensorize` does, and whatever opens
     records first (`schedule.register_intrinsics`: a record's trace names it)."""
-    from tvm.s_tir import TensorIntrin
-
     with _LOCK:
         try:
             TensorIntrin.get(INTRIN)

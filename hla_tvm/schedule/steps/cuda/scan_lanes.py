@@ -12,6 +12,9 @@ their own lane (one thread block per (batch, head) gave 32 blocks for an H200's 
 multiprocessors). No barrier is needed: no thread reads another's elements."""
 from __future__ import annotations
 
+from tvm.tirx.analysis import undefined_vars
+from tvm_ffi import get_global_func
+
 from ...common import (
     DATA_PAR,
     among,
@@ -25,8 +28,6 @@ from ...common import (
 
 def _lane_var(sch, block, loop):
     """The iterator of `block` bound to `loop` as the loop variable itself, or None."""
-    from tvm_ffi import get_global_func
-
     realize = get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
     var = sch.get(loop).loop_var
     for iv, value in zip(realize.block.iter_vars, realize.iter_values):
@@ -38,8 +39,6 @@ def _lane_var(sch, block, loop):
 def _lane_position(region, lane):
     """The one position where `region` is the single element `lane`; None when the lane is
     absent from it, at several positions or inside an expression."""
-    from tvm.tirx.analysis import undefined_vars
-
     hits = [p for p, r in enumerate(region.region)
             if any(u.same_as(lane) for u in undefined_vars(r.min))
             or any(u.same_as(lane) for u in undefined_vars(r.extent))]

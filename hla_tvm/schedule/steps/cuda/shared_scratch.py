@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+import tvm
+
 from ...common import among, own_loops, root_block, root_scratch, writes_alone
 
 SCOPE = "shared.dyn"
@@ -24,8 +26,6 @@ def hoist(func):
     """`func` with the buffers allocated inside its loops declared on its root block instead
     (one per thread block once the outer loops are bound to blocks). Unchanged when it has
     none."""
-    import tvm
-
     src = func.script()
     found = _ALLOC.findall(src)
     if not found:

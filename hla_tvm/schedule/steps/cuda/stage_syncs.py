@@ -8,14 +8,15 @@ sequential loop over stages (the chunk loop), which orders global as well as sha
 within the thread block. Kernels that write their arguments only once need none."""
 from __future__ import annotations
 
+import tvm
+from tvm import s_tir, tirx
+
 from ...common import walk, with_children
 
 
 def _stage_buffers(func):
     """(names of the buffers func's blocks allocate, [(reads, writes) of each block in program
     order])."""
-    from tvm import s_tir
-
     scratch, blocks = set(), []
 
     def visit(node):
@@ -50,16 +51,12 @@ def updates_in_place(func):
 
 
 def _sync():
-    import tvm
-
     return tvm.tirx.Evaluate(tvm.tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
 
 
 def with_syncs(func):
     """`func` (scheduled: outer loops on blockIdx, stages on threadIdx) with the barriers of
     the module docstring."""
-    from tvm import tirx
-
     def rebuild(stmt, in_block):
         if isinstance(stmt, tirx.For):
             tag = stmt.thread_binding.thread_tag if stmt.thread_binding is not None else ""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from tvm import s_tir, tirx
+
 from ...common import (
     COMM_REDUCE,
     DATA_PAR,
@@ -41,8 +43,6 @@ def _summing_sizes(sch, loops=None):
     """The number of outputs of each stage that sums over static output loops (a reduction
     loop, or a loop inside its block: `hla2_decay.decode(columns=True)`), of `loops` output
     loops only when given."""
-    from tvm import tirx
-
     sizes = []
     for block in root_blocks(sch):
         spatial, reduce_ = _spatial_reduce(sch, block)
@@ -142,8 +142,6 @@ def mask_write_backs(func, tails):
     predicate of its stage's block: TVM places a write-back over every thread of the stage's
     loop, the masked tail included, whose writes would land past the stage's elements (in
     another thread block's, or past the buffer)."""
-    from tvm import s_tir
-
     masks = {}
 
     def find(node):
