@@ -83,28 +83,33 @@ def _bf16(a):
     return activations(scheme("bf16"), a).astype(np.float64)
 
 
-def _bf16_blocks_check(kind, m, k, n, panel):
+def _bf16_blocks_check(kind, m, k, n, panel, name="bf16", group=None):
     """out = bf16(x) @ W through the output blocks of `kind` (`quant.amx`, `quant.dpbf16`)
     against numpy's float64 product of the same bfloat16 values (exact products, float32 sums:
-    1e-6)."""
+    1e-6). `name` int8 / int4: W the scheme's integers in quads with their scales, which the
+    kernel dequantizes and rounds to bfloat16 (float32 (u - o) s, then nearest even)."""
     import tvm
 
     from hla_tvm.quant.panels import stored
     from hla_tvm.quant.scheme import dequantize, quantize, scheme
     from hla_tvm.target import host_target
 
-    sch = scheme("bf16")
+    sch = scheme(name, group)
     rng = np.random.default_rng(m + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     packed = quantize(sch, rng.standard_normal((k, n)).astype(np.float32))
-    lib = tvm.compile(tvm.IRModule({"f": kind.matmul_func(k, n, panel, "f")}),
+    ints = name != "bf16"
+    lib = tvm.compile(tvm.IRModule({"f": kind.matmul_func(k, n, panel, "f",
+                                                          sch=sch if ints else None)}),
                       target=host_target())
     out = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
     rows = (m + kind.ROWS - 1) // kind.ROWS * kind.ROWS
     scratch = tvm.runtime.tensor(np.zeros((rows, k), np.uint16))
-    lib["f"](tvm.runtime.tensor(x), tvm.runtime.tensor(stored(sch, packed["q"], panel)), out,
-             scratch)
-    want = _bf16(x) @ dequantize(sch, packed).astype(np.float64)
+    weights = [tvm.runtime.tensor(stored(sch, packed["q"], panel, in_quads=ints))]
+    if ints:
+        weights.append(tvm.runtime.tensor(packed["scale"]))
+    lib["f"](tvm.runtime.tensor(x), *weights, out, scratch)
+    want = _bf16(x) @ _bf16(dequantize(sch, packed).astype(np.float32))
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
@@ -128,6 +133,28 @@ def test_vdpbf16ps_product_matches_float64(m, k, n, panel):
     from hla_tvm.quant import dpbf16
 
     _bf16_blocks_check(dpbf16, m, k, n, panel)
+
+
+@needs_bf16
+@pytest.mark.parametrize("name,group", [("int8", None), ("int8", 32), ("int4", 32),
+                                        ("int4", 64)])
+@pytest.mark.parametrize("m,k,n,panel", [(7, 64, 64, 64), (13, 128, 256, 128)])
+def test_integer_weights_prefill_on_vdpbf16ps(name, group, m, k, n, panel):
+    """int8 / int4 weights in quads through the VDPBF16PS blocks: each column block's weights
+    dequantized to bfloat16 pairs first (`bf16_blocks.dequantized_pairs`), per channel and per
+    group, one or several groups and blocks."""
+    from hla_tvm.quant import dpbf16
+
+    _bf16_blocks_check(dpbf16, m, k, n, panel, name, group)
+
+
+@needs_amx
+@pytest.mark.parametrize("name,group", [("int8", None), ("int4", 32)])
+def test_integer_weights_prefill_on_amx(name, group):
+    """int8 / int4 weights in quads through the AMX blocks (as on VDPBF16PS above)."""
+    from hla_tvm.quant import amx
+
+    _bf16_blocks_check(amx, 45, 128, 128, 64, name, group)
 
 
 @needs_amx

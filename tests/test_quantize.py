@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
+from conftest import rel_err, scheme_tol
 
 from hla_tvm.quant import scheme
 from hla_tvm.quant.scheme import dequantize, quantize, values
@@ -126,9 +126,9 @@ def _compiled(tmp_path_factory, name, group, tied, d_model=32, **config):
 
 def _check_against_pytorch(model, path, sch, T=37):
     """Prefill T tokens then one decode step of the module at `path` against `model` with the
-    dequantized weights, float32 PyTorch (<= 1e-4 relative; bf16, whose products round their
-    inputs to bfloat16, 4e-3: an input within float32 noise of a rounding tie rounds either way,
-    a term off by one bfloat16 step, 2^-8 relative)."""
+    dequantized weights, float32 PyTorch (<= 1e-4 relative; bf16, and int8 / int4 where this CPU
+    prefills them on bfloat16 products, 4e-3 (`scheme_tol`): an input within float32 noise of a
+    rounding tie rounds either way, a term off by one bfloat16 step, 2^-8 relative)."""
     from hla_tvm import runtime
     from hla_tvm.quant.torch_weights import dequantized_model
 
@@ -139,7 +139,7 @@ def _check_against_pytorch(model, path, sch, T=37):
         want, _ = ref(tokens, None)
         plain, _ = model(tokens, None)
     state = mod.init_state(2)
-    tol = 4e-3 if sch.name == "bf16" else 1e-4
+    tol = scheme_tol(sch.name, 1e-4)
     got = torch.from_numpy(np.asarray(mod.prefill(tokens[:, :T].numpy(), state)[0]))
     assert rel_err(got, want[:, :T]) <= tol
     step = torch.from_numpy(np.asarray(mod.decode(tokens[:, T].numpy(), state)[0]))

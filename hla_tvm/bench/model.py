@@ -22,7 +22,9 @@ one thread and with all, and keeps the faster (`_fastest_threads`; the table's n
 which). Module sizes and the weights' bytes per scheme are listed under the table."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -31,7 +33,15 @@ import time
 import numpy as np
 import torch
 
+from ..compiler import flatten_state, resolve_model_target
+from ..demo import compiled_module
+from ..models import HLALM, SHIPPED
 from ..quant.scheme import SCHEMES as QUANT_SCHEMES
+from ..runtime import load
+from ..runtime import cpu_features
+from ..runtime.paths import replacing
+from ..runtime.pool import OtherLoad
+from .timing import load_notes, machine, measure_rounds
 
 PRESETS = {   # random weights (speed does not depend on them)
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, decay=0.98),
@@ -43,15 +53,11 @@ SCHEMES = ("float32",) + QUANT_SCHEMES
 
 def load_model(checkpoint=None, preset="demo"):
     """(HLALM, name): the checkpoint's model, or a preset's (random weights, seed 0)."""
-    from ..models import HLALM
-
     if checkpoint is not None:
         return HLALM.load(checkpoint).eval(), os.path.basename(str(checkpoint))
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     if PRESETS[preset] is None:
-        from ..models import SHIPPED
-
         return HLALM.load(SHIPPED).eval(), "demo (shipped)"
     torch.manual_seed(0)
     model = HLALM(**PRESETS[preset])   # (initialised as training expects)
@@ -72,9 +78,6 @@ def _floor(nbytes):
 def _module_cases(model, name, schemes, target, batch, prompt):
     """{name: (decode step, prefill)} and {name: (module bytes, stored weight bytes)} of the
     compiled module per scheme (from the cache where an earlier run compiled it)."""
-    from ..runtime import load
-    from ..demo import compiled_module
-
     cases, sizes = {}, {}
     for sch in schemes:
         quantize = None if sch == "float32" else sch
@@ -93,13 +96,19 @@ def _module_cases(model, name, schemes, target, batch, prompt):
 
 def units(schemes, target):
     """Notes naming the units the cases multiply on where they are not the float32 vectors:
-    the compiled bf16 prefill on AMX tiles, int8 / int4 decode on integer dot products,
+    the compiled prefill on AMX tiles or VDPBF16PS, int8 / int4 decode on integer dot products,
     PyTorch's bfloat16 autocast on oneDNN's."""
+    from ..compiler.passes.pack_weights import prefill_blocks
     from ..quant import amx, vnni
+    from ..quant.scheme import scheme
 
     out = []
-    if "bf16" in schemes and amx.available(target):
-        out.append("tvm bf16: prefill products on AMX tiles (bfloat16, float32 sums)")
+    for sch in ("bf16", "int8", "int4"):
+        kind = prefill_blocks(scheme(sch), target) if sch in schemes else None
+        if kind is not None:
+            unit = "AMX tiles" if kind is amx else "VDPBF16PS"
+            out.append(f"tvm {sch}: prefill products on {unit} (bfloat16 inputs"
+                       f"{'' if sch == 'bf16' else ' and weights'}, float32 sums)")
     lanes = vnni.lanes(target)
     for sch in ("int8", "int4"):
         if sch in schemes and lanes:
@@ -115,9 +124,7 @@ def units(schemes, target):
 def has_bf16_units():
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16), where
     PyTorch's bfloat16 autocast is a peer to beat."""
-    from ..runtime.cpu_features import host_features
-
-    return bool({"avx512bf16", "amx-bf16"} & (host_features() or set()))
+    return bool({"avx512bf16", "amx-bf16"} & (cpu_features.host_features() or set()))
 
 
 def _fastest_threads(forms, calls=3):
@@ -154,8 +161,6 @@ def _with_torch_threads(fn, threads):
 def _torch_cases(model, batch, prompt, compiled):
     """{name: (decode step, prefill)} of PyTorch eager and torch.compile, each also under
     bfloat16 autocast where the CPU has bfloat16 units (`has_bf16_units`)."""
-    import contextlib
-
     tok = torch.zeros(batch, 1, dtype=torch.int64)
     ids = torch.zeros(batch, prompt, dtype=torch.int64)
     out = {}
@@ -199,12 +204,14 @@ def _onnx_cases(model, batch, prompt, folder, notes):
     returned under "onnxruntime int4" as its message. The decode step runs the faster of a
     one-thread session and a default one (`_fastest_threads`), named in `notes`."""
     try:
+        # ONNX Runtime (optional: no ONNX cases without it), onnx and TVM's compiler (quant
+        # kernels, compiler.passes) are imported where used: `hla-tvm bench --help` imports this
+        # module
         import onnxruntime as ort
     except ImportError:
         return {}
     import onnx
 
-    from ..compiler import flatten_state
     from ..onnx import export
 
     dec, pre = os.path.join(folder, "decode.onnx"), os.path.join(folder, "prefill.onnx")
@@ -212,8 +219,6 @@ def _onnx_cases(model, batch, prompt, folder, notes):
     export(model, pre)
     graphs = {"onnxruntime": (dec, pre)}
     try:
-        import logging
-
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(
@@ -269,10 +274,6 @@ def _onnx_cases(model, batch, prompt, folder, notes):
 def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, rounds=3,
         steps=50, peers=True, target=None, json_path=None, out=print):
     """Time every case (module docstring); print one table and return the report."""
-    from ..compiler import resolve_model_target
-    from ..runtime.pool import OtherLoad
-    from .timing import machine, measure_rounds
-
     tgt = resolve_model_target(target)
     model, name = load_model(checkpoint, preset)
     params = weight_bytes(model) // 4
@@ -316,16 +317,12 @@ def run(checkpoint=None, preset="demo", schemes=SCHEMES, batch=1, prompt=1024, r
               "date": time.strftime("%Y-%m-%d")}
     _table(report, out)
     if json_path:
-        from ..runtime.paths import replacing
-
         with replacing(json_path, "w") as f:
             json.dump(report, f, indent=1)
     return report
 
 
 def _table(report, out):
-    from .timing import load_notes
-
     rows, base = report["results"], report["results"].get("tvm float32")
     out(f"{'case':<18} {'decode tok/s':>13} {'step':>10} {'vs tvm f32':>11} "
         f"{'prefill tok/s':>14} {'vs tvm f32':>11}")

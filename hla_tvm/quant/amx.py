@@ -130,11 +130,12 @@ def fits(k, n, panel):
     return bf16_blocks.fits(k, n, panel, step=STEP, cols=COLS)
 
 
-def matmul_func(k, n, panel, name="amx_bf16_matmul"):
+def matmul_func(k, n, panel, name="amx_bf16_matmul", sch=None):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32, xb
     scratch), M symbolic, that computes out = bf16(x) @ W on AMX tiles (`bf16_blocks`, asking
-    the OS for the tiles first); scheduled already."""
+    the OS for the tiles first); scheduled already. With `sch` (int8, int4) q is its integers
+    in quads and their scale follows (`bf16_blocks.matmul_func`)."""
     return bf16_blocks.matmul_func(
         k, n, panel, name, rows=ROWS, cols=COLS, step=STEP, llvm_ir=INIT + KERNEL,
         kernel=KERNEL_NAME, init=INIT_NAME,
-        init_error="AMX tiles refused by the OS (arch_prctl XTILEDATA)")
+        init_error="AMX tiles refused by the OS (arch_prctl XTILEDATA)", sch=sch)

@@ -86,9 +86,10 @@ def fits(k, n, panel):
     return bf16_blocks.fits(k, n, panel, step=STEP, cols=COLS)
 
 
-def matmul_func(k, n, panel, name="dpbf16_matmul"):
+def matmul_func(k, n, panel, name="dpbf16_matmul", sch=None):
     """The PrimFunc (x [M, K] float32, q [N / P, K / 2, P] uint32, out [M, N] float32, xb
     scratch [M rounded up to ROWS, K] uint16), M symbolic, that computes out = bf16(x) @ W on
-    VDPBF16PS (`bf16_blocks`); scheduled already."""
+    VDPBF16PS (`bf16_blocks`); scheduled already. With `sch` (int8, int4) q is its integers
+    in quads and their scale follows (`bf16_blocks.matmul_func`)."""
     return bf16_blocks.matmul_func(k, n, panel, name, rows=ROWS, cols=COLS, step=STEP,
-                                   llvm_ir=KERNEL, kernel=KERNEL_NAME)
+                                   llvm_ir=KERNEL, kernel=KERNEL_NAME, sch=sch)

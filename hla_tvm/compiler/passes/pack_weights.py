@@ -21,6 +21,13 @@ import functools
 import hashlib
 
 import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from ...quant import amx, dpbf16, kernels, matvec, vnni
+from ...quant.panels import stored
+from ...quant.scheme import nbytes, quantize
+from ...schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
 
 
 def panel_width(n, target):
@@ -29,7 +36,6 @@ def panel_width(n, target):
     tile width dividing N)."""
     if target.kind.name != "llvm":
         return None
-    from ...schedule.rules.cpu.matmul_tiles import tile_shape, vector_lanes
 
     return tile_shape(1, n, vector_lanes(target))[1]
 
@@ -37,8 +43,6 @@ def panel_width(n, target):
 def _rows(x):
     """The static row count of the activations `x` [.., rows, K] (1: a decode step), or None
     (symbolic, or fewer than two axes)."""
-    import tvm
-
     shape = getattr(x.ty, "shape", None)
     if shape is None or len(shape) < 2 or not isinstance(shape[-2], tvm.tirx.IntImm):
         return None
@@ -48,11 +52,22 @@ def _rows(x):
 def _one_row(x):
     """Whether the activations `x` [.., K] hold one row, every leading axis static 1 (a decode
     step of one stream)."""
-    import tvm
-
     shape = getattr(x.ty, "shape", None)
     return shape is not None and len(shape) >= 2 and all(
         isinstance(d, tvm.tirx.IntImm) and int(d) == 1 for d in list(shape)[:-1])
+
+
+def prefill_blocks(sch, target):
+    """The kernel kind (`quant.amx`, else `quant.dpbf16`) a prefill's products of the scheme
+    `sch` run on for `target`, or None (float32 products: `quant.kernels`): bf16 weights, and
+    int8 / int4 ones where stored in quads (`quant.vnni.lanes`), on AMX tiles where the target
+    has AMX-BF16, else on VDPBF16PS where it has AVX512-BF16. Their products round the
+    activations to bfloat16 (int8 / int4: W too, `quant.bf16_blocks.dequantized_pairs`)."""
+    if sch is None or sch.name not in ("bf16", "int8", "int4"):
+        return None
+    if sch.name != "bf16" and vnni.lanes(target) is None:
+        return None
+    return next((kind for kind in (amx, dpbf16) if kind.available(target)), None)
 
 
 def weight_operand(expr, lookup):
@@ -60,9 +75,6 @@ def weight_operand(expr, lookup):
     through a 2-d transpose; whether transposed), following variable bindings (lookup(var):
     the value bound to it, or None), or None. Only the constant's type is read: nothing is
     copied."""
-    import tvm
-    from tvm import relax
-
     permute_op = tvm.ir.Op.get("relax.permute_dims")
     transposed = False
     for _ in range(64):
@@ -97,20 +109,10 @@ def pack_weights(mod, sch, target):
     the operator that reads them: `unpacked_weights`], "bytes": stored bytes of the packed
     weights, "float_bytes": their float32 bytes}). The
     caller's module is unchanged."""
-    import tvm
-    from tvm import relax
-
-    from ...quant import amx, dpbf16, kernels, matvec, vnni
-    from ...schedule.rules.cpu.matmul_tiles import vector_lanes
-    from ...quant.panels import stored
-    from ...quant.scheme import nbytes, quantize
-
     matmul_op, take_op = (tvm.ir.Op.get(f"relax.{n}") for n in ("matmul", "take"))
     # a prefill's bf16 products on AMX tiles where the target has them (`quant.amx`), else on
     # VDPBF16PS where it has AVX512-BF16 (`quant.dpbf16`)
-    blocks = None
-    if sch is not None and sch.name == "bf16":
-        blocks = next((kind for kind in (amx, dpbf16) if kind.available(target)), None)
+    blocks = prefill_blocks(sch, target)
     # an int8 / int4 decode step's products on integer dot products where the target has them
     vnni_lanes = vnni.lanes(target) if sch is not None and sch.name in vnni.OFFSET else None
     hand_funcs = {}   # name -> the GlobalVar of a hand-written kernel (amx, vnni, matvec)
@@ -166,8 +168,8 @@ def pack_weights(mod, sch, target):
                          panel=p)
 
             if name == "matmul" and blocks is not None and blocks.fits(k, n, p) and \
-                    _rows(data) != 1:
-                return self._bf16_blocks(blocks, data, q, k, n, p)
+                    _rows(data) != 1 and (sch.name == "bf16" or quads):
+                return self._bf16_blocks(blocks, data, q, k, n, p, scale if quads else None)
             if name == "matmul" and quads and _rows(data) == 1:
                 return self._vnni_matmul(data, q, scale, k, n, p)
             if name == "matmul" and target.kind.name == "llvm" and _one_row(data) and \
@@ -190,8 +192,6 @@ def pack_weights(mod, sch, target):
             """x [.., K] @ a stored weight through the scheduled PrimFunc `make(fname)` (added
             once a name), called on x as [M, K] rows and `args` (the weight's constants),
             out [M, N] float32 (and a `scratch(m)` output where given), reshaped back."""
-            from tvm import tirx
-
             if fname not in hand_funcs:
                 hand_funcs[fname] = self.builder_.add_func(make(fname), fname)
             lead = list(x.ty.shape)[:-1]
@@ -205,13 +205,16 @@ def pack_weights(mod, sch, target):
                 out = self.builder_.emit(relax.TupleGetItem(out, 0))
             return relax.op.reshape(out, [*lead, n])
 
-        def _bf16_blocks(self, kind, x, q, k, n, p):
-            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`) through the output
-            blocks of `kind` (`quant.amx`, `quant.dpbf16`: `quant.bf16_blocks`), the kernel's
-            bf16 copy of the rows a scratch output."""
+        def _bf16_blocks(self, kind, x, q, k, n, p, scale=None):
+            """x [.., K] @ the bf16 weight `q` (pairs in panels of `p`), or the int8 / int4
+            weight `q` (quads in panels) with its `scale`, through the output blocks of `kind`
+            (`quant.amx`, `quant.dpbf16`: `quant.bf16_blocks`), the kernel's bf16 copy of the
+            rows a scratch output."""
+            infix = "" if scale is None else f"_{sch.name}"
             return self._hand_kernel(
-                f"{kind.PREFIX}_matmul_{k}_{n}", lambda f: kind.matmul_func(k, n, p, f), x, [q],
-                k, n,
+                f"{kind.PREFIX}{infix}_matmul_{k}_{n}",
+                lambda f: kind.matmul_func(k, n, p, f, sch=None if scale is None else sch), x,
+                [q] if scale is None else [q, scale], k, n,
                 scratch=lambda m: relax.TensorType(
                     [(m + kind.ROWS - 1) // kind.ROWS * kind.ROWS, k], "uint16"))
 
@@ -277,9 +280,6 @@ def unpacked_weights(mod, made):
     weights' constants): what a quantizing compile left float32 besides the weights whose K
     does not split into groups (a weight an einsum or a 3-d product reads, a table read other
     than by a lookup), with the operator that reads it."""
-    import tvm
-    from tvm import relax
-
     found = {}
 
     @relax.expr_functor.visitor
