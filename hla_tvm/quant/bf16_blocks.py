@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from tvm.target import codegen
 
 from ..ops.common.pairs import bits
+from .kernels import dequantized
 
 LANES = 16   # the rows' conversion to bfloat16: vectors of 16 inputs
 
@@ -66,6 +67,8 @@ def matmul_func(k, n, panel, name, *, rows, cols, step, llvm_ir, kernel, init=No
     assert fits(k, n, panel, step=step, cols=cols), (k, n, panel)
     blocks, p, lanes = n // cols, panel, LANES
     ROWS, COLS = rows, cols
+    g = None if sch is None else sch.group(k)
+    pair = None if sch is None else dequantized_pairs(sch)
 
     @T.macro
     def to_bf16(x, xb, m):
@@ -106,68 +109,54 @@ def matmul_func(k, n, panel, name, *, rows, cols, step, llvm_ir, kernel, init=No
             for j in T.vectorized(COLS):
                 out[m - m % ROWS + r, jb * COLS + j] = c[r, j]
 
+    @T.macro
+    def product(var_x, var_out, var_xb, q, scale):
+        """out = bf16(x) @ W, W the stored pairs `q` or (`scale` given) the integers in quads
+        `q`, each column block's slice dequantized into a scratch of its own first."""
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, k), "float32")
+        out = T.match_buffer(var_out, (m, n), "float32")
+        xb = T.match_buffer(var_xb, ((m + ROWS - 1) // ROWS * ROWS, k), "uint16")
+        T.attr(0, "pragma_import_llvm", llvm_ir)
+        to_bf16(x, xb, m)
+        for jb in T.parallel(blocks):
+            if scale is None:   # (decided as the function is parsed)
+                column_block(out, xb, m, jb,
+                             T.address_of(q[jb * COLS // p, 0, jb * COLS % p]), 4 * p)
+            else:
+                wb = T.decl_buffer((k // 2, COLS), "uint32", align=64)
+                for r in range(k // 2):
+                    for j in T.vectorized(COLS):
+                        wb[r, j] = pair(q, scale, jb * COLS + j, r, g, p)
+                column_block(out, xb, m, jb, wb.data, 4 * COLS)
+
     if sch is None:
         @T.prim_func
         def func(var_x: T.handle, q: T.Buffer((n // p, k // 2, p), "uint32"),
                  var_out: T.handle, var_xb: T.handle):
             T.func_attr({"tirx.noalias": True})
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), "float32")
-            out = T.match_buffer(var_out, (m, n), "float32")
-            xb = T.match_buffer(var_xb, ((m + ROWS - 1) // ROWS * ROWS, k), "uint16")
-            T.attr(0, "pragma_import_llvm", llvm_ir)
-            to_bf16(x, xb, m)
-            for jb in T.parallel(blocks):
-                column_block(out, xb, m, jb, T.address_of(q[jb * COLS // p, 0, jb * COLS % p]),
-                             4 * p)
+            product(var_x, var_out, var_xb, q, None)
     else:
-        g, words = sch.group(k), k // (8 if sch.name == "int4" else 4)
-        pair = dequantized_pairs(sch)
+        words = k // (8 if sch.name == "int4" else 4)
 
         @T.prim_func
         def func(var_x: T.handle, q: T.Buffer((n // p, words, p), "uint32"),
                  scale: T.Buffer((k // g, n), "float32"), var_out: T.handle,
                  var_xb: T.handle):
             T.func_attr({"tirx.noalias": True})
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), "float32")
-            out = T.match_buffer(var_out, (m, n), "float32")
-            xb = T.match_buffer(var_xb, ((m + ROWS - 1) // ROWS * ROWS, k), "uint16")
-            T.attr(0, "pragma_import_llvm", llvm_ir)
-            to_bf16(x, xb, m)
-            for jb in T.parallel(blocks):
-                wb = T.decl_buffer((k // 2, COLS), "uint32", align=64)
-                for r in range(k // 2):
-                    for j in T.vectorized(COLS):
-                        wb[r, j] = pair(q, scale, jb * COLS // p, jb * COLS % p + j,
-                                        jb * COLS + j, r, g)
-                column_block(out, xb, m, jb, wb.data, 4 * COLS)
+            product(var_x, var_out, var_xb, q, scale)
 
     return func.with_attr({"global_symbol": name, "tirx.is_scheduled": True})
 
 
 def dequantized_pairs(sch):
     """The TIR expression of the bfloat16 pair (W[2r, n], W[2r + 1, n]) of the int8 / int4
-    integers `q` in quads and panels (`panels.quads`), W[k, n] = (u[k, n] - o) s[k // g, n]
-    rounded to bfloat16 (o: 128 int8, 8 int4), as a function of (q, scale, the panel, the
-    column in it, n, r, g). The integers are exact in bfloat16; the scale's product rounds
-    (2^-9 of W at most, under the schemes' own rounding of 1/254 and 1/14 of a group's
-    largest |W|)."""
-    int4 = sch.name == "int4"
-    mask, offset = (15, 8) if int4 else (255, 128)
-
-    def value(q, scale, panel, col, nn, kk, g):
-        if int4:   # row 8w + i: byte i % 4, low nibble for i < 4, high for i >= 4
-            word, i = kk // 8, kk % 8
-            shift = 8 * (i % 4) + 4 * (i // 4)
-        else:      # row 4w + i: byte i
-            word, shift = kk // 4, 8 * (kk % 4)
-        u = T.bitwise_and(T.shift_right(q[panel, word, col], T.Cast("uint32", shift)),
-                          T.uint32(mask))
-        return (T.Cast("float32", T.Cast("int32", u) - offset)) * scale[kk // g, nn]
-
-    def pair(q, scale, panel, col, nn, r, g):
-        return bits(value(q, scale, panel, col, nn, 2 * r, g)) | T.shift_left(
-            bits(value(q, scale, panel, col, nn, 2 * r + 1, g)), T.uint32(16))
+    integers `q` in quads and panels of `p` columns (`panels.quads`), W = (u - o) s
+    (`kernels.dequantized`) rounded to bfloat16, as a function of (q, scale, n, r, g, p). The
+    integers are exact in bfloat16; the scale's product rounds (2^-9 of W at most, under the
+    schemes' own rounding of 1/254 and 1/14 of a group's largest |W|)."""
+    def pair(q, scale, nn, r, g, p):
+        return bits(dequantized(sch, q, scale, 2 * r, nn, g, p)) | T.shift_left(
+            bits(dequantized(sch, q, scale, 2 * r + 1, nn, g, p)), T.uint32(16))
 
     return pair
