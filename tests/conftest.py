@@ -65,16 +65,25 @@ INT_BF16_TOL = 1.5e-2
 
 def scheme_tol(name, tol):
     """`tol` for a module with the scheme `name` against PyTorch running its dequantized
-    weights, or BF16_TOL / INT_BF16_TOL where this CPU prefills that scheme on bfloat16
-    products (`compiler.passes.pack_weights.prefill_blocks`: bf16 always, int8 / int4 where
-    the CPU has AVX512-BF16 or AMX; the decode steps after such a prefill carry its state)."""
+    weights, or BF16_TOL / INT_BF16_TOL where this CPU rounds that scheme's activations:
+    prefilled on bfloat16 products (`compiler.passes.pack_weights.prefill_blocks`: bf16
+    always, int8 / int4 where the CPU has AVX512-BF16 or AMX; the decode steps after such a
+    prefill carry its state), or int4 decoded on VPDPBUSD (one 8-bit digit a block of
+    activations, `quant.vnni.DIGITS`: within 4e-3 of the block's largest, near bfloat16's
+    rounding)."""
     from hla_tvm.compiler.passes.pack_weights import prefill_blocks
+    from hla_tvm.quant import vnni
     from hla_tvm.quant.scheme import scheme
     from hla_tvm.target import host_target
 
-    if name in ("float32", None) or prefill_blocks(scheme(name), host_target()) is None:
+    if name in ("float32", None):
         return tol
-    return BF16_TOL if name == "bf16" else INT_BF16_TOL
+    target = host_target()
+    if prefill_blocks(scheme(name), target) is not None:
+        return BF16_TOL if name == "bf16" else INT_BF16_TOL
+    if name in vnni.DIGITS and vnni.DIGITS[name] == 1 and vnni.lanes(target):
+        return INT_BF16_TOL
+    return tol
 
 
 def rel_err(got, want):

@@ -269,7 +269,7 @@ def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None, ahead=None):
                                          (2, 768, 384, 128)])
 def test_vnni_product_matches_float64(name, group, m, k, n, panel):
     """x @ W on VPDPBUSD (the activations as 8-bit digits a block, `quant.vnni`: int8 three,
-    int4 two) for int8 per channel and grouped, int4 in groups of 32 and 128, one or several
+    int4 one) for int8 per channel and grouped, int4 in groups of 32 and 128, one or several
     rows, blocks, panels and parts, at each width this CPU runs: against numpy's float64
     product of the same weights, within the digits' bound (`_vnni_run`; it holds 2e-6 of the
     largest output for float32's sums); int8's three digits are float32's precision (2e-6 alone)."""
@@ -281,8 +281,9 @@ def test_vnni_product_matches_float64(name, group, m, k, n, panel):
         if name == "int8":
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
                                        err_msg=f"{lanes} lanes")
-        else:   # (two digits' bound, every error of one sign: under 5e-4 of the largest
-            assert bound.max() < 5e-4 * np.abs(want).max()   # output here)
+        else:   # (one digit: the bound takes every error of one sign, 6% of the largest
+            # output here; they are of either sign, and the product is within 1% of it)
+            assert np.abs(got - want).max() < 1e-2 * np.abs(want).max(), f"{lanes} lanes"
 
 
 @needs_vnni

@@ -114,7 +114,7 @@ def units(schemes, target):
         if sch in schemes and lanes:
             digits = vnni.DIGITS[sch]
             out.append(f"tvm {sch}: decode products on VPDPBUSD ({32 * lanes}-bit; activations "
-                       f"as {digits} 8-bit digits a block, within "
+                       f"as {digits} 8-bit digit{'s' if digits > 1 else ''} a block, within "
                        f"{vnni.precision(digits):.0e} of the block's largest |x|)")
     if has_bf16_units():
         out.append("torch bf16: oneDNN's bfloat16 kernels (AMX or AVX512-BF16 where present)")

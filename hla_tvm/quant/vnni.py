@@ -11,9 +11,13 @@ signed 8-bit digits in base R = RADIX of x / t, t = max |x| / 127 over the block
     |e| <= 1 / (2 R^(D-1))
 
 with D = DIGITS[scheme]: int8 three (the sum is the float32 product up to 6e-8 of the block's
-largest |x| a row), int4 two (up to 1.6e-5 of it: 1 / (2 127 254); int4's own rounding of the
-weights is 1 / 14 of a group's largest |W|, and an int8 weight times ONNX Runtime's int8
-activations per block would be 4e-3 off). Per block and column:
+largest |x| a row), int4 one (up to 3.9e-3 of it, 1 / 254: the activations rounded to 8 bits a
+block, as ONNX Runtime's accuracy level 4 and llama.cpp do; int4's own rounding of the weights
+is 1 / 14 of a group's largest |W|). int4 took two digits (1.6e-5) before: at one row a step
+reads at the memory's rate either way, at 8 rows the products run once a digit and a row, and
+one digit took the 120 M preset's int4 step at batch 2 / 8 from 6.28 / 13.59 to 5.18 / 9.42 ms
+(3.43 / 3.53 at batch 1; Zen 4 VM, 2026-12-08, both modules in turn, fastest of 5 rounds of 20
+steps). Per block and column:
 
     c_i = sum_{k in block} u[k, n] d_i[k] - o sum_k d_i[k]            (int32, VPDPBUSD: u8 x s8)
     out[m, n] += (c0 + c1 / R + ... + c_{D-1} / R^(D-1)) t s[block's group, n]
@@ -47,7 +51,7 @@ from __future__ import annotations
 import itertools
 
 BLOCK = 32        # inputs per activation scale t (divides every group size, `scheme.GROUP_SIZES`)
-DIGITS = {"int8": 3, "int4": 2}   # activation digits a block, per scheme
+DIGITS = {"int8": 3, "int4": 1}   # activation digits a block, per scheme
 RADIX = 254
 OFFSET = {"int8": 128, "int4": 8}
 FEATURES = {16: "avx512vnni", 8: "avxvnni"}   # int32 lanes -> the feature giving VPDPBUSD
