@@ -143,7 +143,7 @@ def _params(fast):
     return [pytest.param(n, marks=() if n == fast else pytest.mark.slow) for n in MODELS]
 
 
-@pytest.mark.parametrize("name", _params("hybrid"))
+@pytest.mark.parametrize("name", _params("llama"))
 def test_architecture_matches_pytorch(name, tmp_path):
     model = _model(name)
     path = compile_model(model, out=tmp_path / f"{name}.so")
@@ -155,9 +155,9 @@ def test_architecture_matches_pytorch(name, tmp_path):
 def test_int4_architecture_matches_its_dequantized_model(name, tmp_path):
     """int4 weights (group 32) wherever the compiler packs them (nn.Linear, Conv1D, the
     embedding): the module against PyTorch running the dequantized weights (decode within
-    2e-4: where the CPU has VNNI its products take the activations as two 8-bit digits a
-    block, `quant.vnni`, 1.6e-5 of a block's largest |x|; 4e-3 where this CPU prefills on
-    bfloat16 products, `scheme_tol`)."""
+    2e-4; `scheme_tol`'s wider bound where this CPU rounds the activations: int4 decode
+    products on VNNI take them as one 8-bit digit a block, `quant.vnni`, and a prefill on
+    bfloat16 products rounds them to bfloat16)."""
     from hla_tvm.quant import scheme
     from hla_tvm.quant.torch_weights import dequantized_model
 

@@ -12,6 +12,14 @@ from tvm.script import tirx as T  # noqa: E402
 from hla_tvm.ops import chains  # noqa: E402
 from hla_tvm.ops.common import pairs  # noqa: E402
 from hla_tvm.ops.hla2 import kernels  # noqa: E402
+
+# the fast subset: all but the records loaded in a fresh process (a child compiles)
+FAST = {
+    "test_pack_rounds_to_nearest_even",
+    "test_ksummary_pairs_against_float64",
+    "test_target_options",
+    "test_hla_bfloat16_against_float64",
+}
 from hla_tvm.schedule.rules import cpu  # noqa: E402
 from hla_tvm.target import resolve  # noqa: E402
 

@@ -17,7 +17,7 @@ from hla_tvm.runtime import load
 # the tests of the fast subset (`-m "not slow"`; conftest.py marks the others slow)
 FAST = {
     "test_prefill_lengths_and_decode_match_pytorch[hla2-3]",
-    "test_wrong_state_is_refused",
+    "test_wrong_state_is_refused[hla2]",
     "test_bad_targets_are_refused_before_export",
     "test_scale_epilogue_keeps_values",
     "test_products_of_one_input_become_one_product",

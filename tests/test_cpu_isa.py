@@ -9,6 +9,21 @@ import torch
 from hla_tvm.runtime import cpu_features
 
 pytestmark = pytest.mark.skipif(not cpu_features.is_x86_host(), reason="an x86-64 machine")
+# the fast subset: the kernels against float64 and the host's features (the whole modules on
+# each unit and the refusal on a CPU without a feature compile models: slow)
+FAST = {
+    "test_host_target_has_exactly_the_features_the_cpu_reports",
+    "test_a_baseline_module_records_only_baseline_features",
+    "test_amx_product_matches_float64",
+    "test_vdpbf16ps_product_matches_float64",
+    "test_integer_weights_prefill_on_vdpbf16ps",
+    "test_integer_weights_prefill_on_amx",
+    "test_vnni_product_matches_float64",
+    "test_vnni_product_of_a_nan_or_infinity_is_nan",
+    "test_weights_in_quads_read_back_as_stored",
+    "test_an_integer_module_decodes_on_vnni_and_prefills_without[int4]",
+    "test_decode_products_without_prefetch_match_float64",
+}
 
 
 def _has_amx():

@@ -17,6 +17,14 @@ import pytest
 
 from hla_tvm.schedule.tuning import records
 
+# the fast subset: each kind of hostile file once (the records' crash cases in children and the
+# compile's refusal of them: slow)
+FAST = {
+    "test_records_are_read_apart_once",
+    "test_state_entry_declaring_trillions_of_elements_is_refused",
+    "test_state_file_bomb_is_refused_before_its_data_is_read",
+    "test_run_refuses_a_prompt_file_without_end",
+}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "schedules", "llvm-znver4-2c")
 

@@ -13,7 +13,6 @@ FAST = {
     "test_each_value_sits_at_its_panel_row_and_column",
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[True]",
     "test_products_read_float32_panels_and_a_tied_table_is_stored_once[False]",
-    "test_gpu_targets_keep_float32_weights_as_they_are",
     "test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products_plain[int8]",
     "test_a_quantized_models_decode_products_are_grouped_and_its_prefill_products_plain[int4]",
 }

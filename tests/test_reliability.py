@@ -27,7 +27,6 @@ FAST = {
     "test_token_ids_at_any_address_reach_the_kernels_aligned",
     "test_compile_and_export_refuse_to_overwrite_their_input",
     "test_cache_clear_removes_only_the_caches_own_files",
-    "test_writes_replace_a_planted_link_and_never_write_its_target",
     "test_the_package_writes_files_through_one_helper",
     "test_onnx_body_that_does_not_match_its_node_is_refused",
     "test_onnx_attributes_of_the_wrong_type_or_value_name_the_node",
