@@ -81,7 +81,7 @@ def scheme_tol(name, tol):
     target = host_target()
     if prefill_blocks(scheme(name), target) is not None:
         return BF16_TOL if name == "bf16" else INT_BF16_TOL
-    if name in vnni.DIGITS and vnni.DIGITS[name] == 1 and vnni.lanes(target):
+    if vnni.DIGITS.get(name) == 1 and vnni.lanes(target):
         return INT_BF16_TOL
     return tol
 

@@ -249,7 +249,8 @@ needs_vnni = pytest.mark.skipif(not _vnni_targets(), reason="this CPU has no VNN
 def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None, ahead=None):
     """(out of the VNNI product, float64 x @ W, the most they may differ) for a random weight
     under the scheme: the activations' digits (`quant.vnni`) are off by at most
-    t / (2 R^(D - 1)) an input, t = max |x| / 127 over its block, so the product by
+    t / (2 R^(D - 1)) an input, t = max |x| / 127 over its block (max |x| times
+    `vnni.precision(D)`), so the product by
     sum_k |W[k, n]| t(block of k) / (2 R^(D - 1)); plus 2e-6 of the largest output for
     float32's sums."""
     import tvm
@@ -270,8 +271,8 @@ def _vnni_run(name, group, m, k, n, panel, lanes, tgt, x=None, ahead=None):
              tvm.runtime.tensor(packed["scale"]), out)
     w = dequantize(sch, packed).astype(np.float64)
     want = x.astype(np.float64) @ w
-    t = np.abs(x.astype(np.float64)).reshape(m, k // vnni.BLOCK, vnni.BLOCK).max(axis=2) / 127
-    step = np.repeat(t, vnni.BLOCK, axis=1) / (2 * vnni.RADIX ** (vnni.DIGITS[name] - 1))
+    top = np.abs(x.astype(np.float64)).reshape(m, k // vnni.BLOCK, vnni.BLOCK).max(axis=2)
+    step = np.repeat(top, vnni.BLOCK, axis=1) * vnni.precision(vnni.DIGITS[name])
     with np.errstate(invalid="ignore"):
         bound = step @ np.abs(w) + 2e-6 * np.abs(want).max()
     return out.numpy(), want, bound

@@ -121,7 +121,7 @@ def matvec_func(sch, k, n, panel, width, name="vnni_matvec", ahead=None):
     block_words = steps // 2 if int4 else steps   # rows of q a block
     ahead = PREFETCH if ahead is None else ahead
     digits = DIGITS[sch.name]
-    bound = int4   # the int32 sums as bound values (BOUND_SUMS)
+    bound = int4   # the int32 sums as bound values, int8's in a buffer (module docstring)
     lines = block_words * p // 16 if ahead else 0   # cache lines of a block asked for
     ahead = max(1, ahead // (4 * p * block_words))   # blocks
 
